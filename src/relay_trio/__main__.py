@@ -1,0 +1,3 @@
+from relay_trio.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""The one place where trio meets asyncio (and asyncpg).
+
+Rules this module enforces for the rest of the code base:
+
+* The trio-asyncio loop is opened once, at the root (``open_asyncio_loop``), with a
+  log-only exception handler: an exception raised by an asyncio callback (an asyncpg
+  listener callback, say) is logged, never allowed to take the loop down.
+* A logical database operation is an *asyncio-side* coroutine function
+  ``async def op(conn, *args)``; ``Database.run`` / ``Database.run_tx`` cross from trio
+  once per operation (acquire, every statement, commit), never once per statement.
+* Work is bounded with trio cancel scopes, never with asyncpg ``timeout=`` arguments:
+  trio-asyncio 0.16 keeps cancelled asyncio timers in its heap until their deadline, so
+  every asyncpg timeout would leak a timer. The pool is created with
+  ``max_inactive_connection_lifetime=0`` for the same reason, and a compactor task drops
+  cancelled timers from the heap the way stdlib asyncio does.
+* Connection loss in any of its asyncpg shapes becomes ``DatabaseUnavailable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+with warnings.catch_warnings():
+    # Python 3.12+: trio_asyncio subclasses the deprecated AbstractChildWatcher.
+    warnings.filterwarnings("ignore", message=".*AbstractChildWatcher.*", category=DeprecationWarning)
+    import trio_asyncio
+
+import asyncpg
+import asyncpg.exceptions
+import trio
+from trio_asyncio import aio_as_trio
+
+log = logging.getLogger("relay_trio.db")
+
+T = TypeVar("T")
+Op = Callable[..., Awaitable[T]]
+
+# Everything asyncpg (or the socket under it) raises when the server went away.
+CONNECTION_LOST_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now
+    asyncpg.exceptions.TooManyConnectionsError,
+    OSError,
+    ConnectionError,
+    EOFError,
+)
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be reached (connection lost, refused, shutting down)."""
+
+
+class DatabaseTimeout(DatabaseUnavailable):
+    """A database operation did not finish within its deadline."""
+
+
+class PoolExhausted(DatabaseUnavailable):
+    """No pooled connection became free within the acquire deadline."""
+
+
+def is_connection_lost(exc: BaseException) -> bool:
+    return isinstance(exc, CONNECTION_LOST_ERRORS)
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------
+def _log_only_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    exc = context.get("exception")
+    log.error(
+        "asyncio callback failed: %s",
+        context.get("message", "unknown"),
+        exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None,
+    )
+
+
+def timer_heap(loop: asyncio.AbstractEventLoop | None = None) -> list[asyncio.TimerHandle]:
+    loop = loop or asyncio.get_event_loop()
+    return loop._timers  # type: ignore[attr-defined]
+
+
+def compact_timer_heap(loop: asyncio.AbstractEventLoop, *, min_size: int = 64) -> int:
+    """Drop cancelled timers from trio-asyncio's heap; return how many were dropped.
+
+    stdlib asyncio compacts when more than half the scheduled timers are cancelled;
+    trio-asyncio 0.16 never does. The heap is only touched synchronously by the loop's
+    own task, so rebuilding it between two of its steps is safe.
+    """
+    timers = timer_heap(loop)
+    if len(timers) < min_size:
+        return 0
+    live = [t for t in timers if not t.cancelled()]
+    dropped = len(timers) - len(live)
+    if dropped * 2 > len(timers):
+        heapq.heapify(live)
+        timers[:] = live
+        return dropped
+    return 0
+
+
+async def _compact_forever(loop: asyncio.AbstractEventLoop, interval: float) -> None:
+    while True:
+        await trio.sleep(interval)
+        compact_timer_heap(loop)
+
+
+@asynccontextmanager
+async def open_asyncio_loop(compact_interval: float = 0.5) -> AsyncIterator[asyncio.AbstractEventLoop]:
+    """Open the trio-asyncio loop for the whole service (or one test)."""
+    async with trio_asyncio.open_loop() as loop:
+        loop.set_exception_handler(_log_only_exception_handler)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_compact_forever, loop, compact_interval)
+            try:
+                yield loop
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+# --------------------------------------------------------------------------------------
+# The pool
+# --------------------------------------------------------------------------------------
+class Database:
+    """A pool of asyncpg connections, used from trio.
+
+    ``run(op, *args)`` runs ``op(conn, *args)`` on a pooled connection in one crossing;
+    ``run_tx`` does the same inside a transaction, which commits when ``op`` returns and
+    rolls back when it raises. The transaction handle is the connection itself: store
+    functions named ``*_tx`` take it as their first argument so a caller composes several
+    of them into one transaction and one crossing.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, dsn: str, *, op_timeout: float, acquire_timeout: float):
+        self.pool = pool
+        self.dsn = dsn
+        self.op_timeout = op_timeout
+        self.acquire_timeout = acquire_timeout
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 2,
+        max_size: int = 10,
+        op_timeout: float = 5.0,
+        acquire_timeout: float = 2.0,
+        application_name: str = "relay-trio",
+    ) -> Database:
+        async def create() -> asyncpg.Pool:
+            return await asyncpg.create_pool(
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                max_inactive_connection_lifetime=0,  # no per-release timer (trio-asyncio leak)
+                server_settings={"application_name": application_name},
+            )
+
+        try:
+            with trio.fail_after(op_timeout + acquire_timeout):
+                pool = await aio_as_trio(create)()
+        except trio.TooSlowError as exc:
+            raise DatabaseTimeout(f"connecting to the database took over {op_timeout + acquire_timeout:.1f}s") from exc
+        except CONNECTION_LOST_ERRORS as exc:
+            raise DatabaseUnavailable(f"cannot connect to the database: {exc}") from exc
+        return cls(pool, dsn, op_timeout=op_timeout, acquire_timeout=acquire_timeout)
+
+    async def close(self) -> None:
+        with trio.move_on_after(5) as cs:
+            await aio_as_trio(self.pool.close)()
+        if cs.cancelled_caught:
+            self.pool.terminate()
+
+    async def run(self, op: Op[T], *args: Any, timeout: float | None = None, tx: bool = False) -> T:
+        """Run ``op(conn, *args)`` on a pooled connection: one trio->asyncio crossing.
+
+        The acquire has its own (shorter) deadline so a saturated pool answers quickly
+        (``PoolExhausted``); once acquired, the operation gets ``timeout`` seconds.
+        """
+        op_timeout = self.op_timeout if timeout is None else timeout
+        scope = trio.CancelScope(deadline=trio.current_time() + self.acquire_timeout)
+        acquired = False
+
+        async def body() -> T:
+            nonlocal acquired
+            async with self.pool.acquire() as conn:
+                acquired = True
+                # Same thread, inside trio: moving the trio deadline from here is safe.
+                scope.deadline = trio.current_time() + op_timeout
+                if tx:
+                    async with conn.transaction():
+                        return await op(conn, *args)
+                return await op(conn, *args)
+
+        result: T
+        try:
+            with scope:
+                result = await aio_as_trio(body)()
+        except CONNECTION_LOST_ERRORS as exc:
+            raise DatabaseUnavailable(f"database connection lost: {type(exc).__name__}: {exc}") from exc
+        if scope.cancelled_caught:
+            if not acquired:
+                raise PoolExhausted(f"no database connection free within {self.acquire_timeout:.1f}s")
+            raise DatabaseTimeout(f"database operation exceeded {op_timeout:.1f}s")
+        return result
+
+    async def run_tx(self, op: Op[T], *args: Any, timeout: float | None = None) -> T:
+        return await self.run(op, *args, timeout=timeout, tx=True)
+
+    async def ping(self, timeout: float = 2.0) -> bool:
+        async def select_one(conn: asyncpg.Connection) -> Any:
+            return await conn.fetchval("SELECT 1")
+
+        try:
+            return await self.run(select_one, timeout=timeout) == 1
+        except DatabaseUnavailable:
+            return False
+
+
+# --------------------------------------------------------------------------------------
+# A dedicated connection (outside the pool), for the LISTEN/NOTIFY listener
+# --------------------------------------------------------------------------------------
+async def connect_dedicated(dsn: str, application_name: str, timeout: float = 5.0) -> asyncpg.Connection:
+    """Open one asyncpg connection outside any pool (LISTEN does not survive a pool release)."""
+
+    async def connect() -> asyncpg.Connection:
+        return await asyncpg.connect(dsn, server_settings={"application_name": application_name})
+
+    try:
+        with trio.fail_after(timeout):
+            return await aio_as_trio(connect)()
+    except trio.TooSlowError as exc:
+        raise DatabaseTimeout(f"connecting took over {timeout:.1f}s") from exc
+    except CONNECTION_LOST_ERRORS as exc:
+        raise DatabaseUnavailable(f"cannot connect: {type(exc).__name__}: {exc}") from exc
+
+
+async def on_connection(conn: asyncpg.Connection, op: Op[T], *args: Any, timeout: float = 5.0) -> T:
+    """Run ``op(conn, *args)`` on a dedicated connection: one crossing, trio deadline."""
+    try:
+        with trio.fail_after(timeout):
+            return await aio_as_trio(op)(conn, *args)
+    except trio.TooSlowError as exc:
+        raise DatabaseTimeout(f"operation exceeded {timeout:.1f}s") from exc
+    except CONNECTION_LOST_ERRORS as exc:
+        raise DatabaseUnavailable(f"connection lost: {type(exc).__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------
+# Synchronous admin helpers (test fixtures, the embedded cluster's bootstrap)
+# --------------------------------------------------------------------------------------
+def admin_execute_sync(dsn: str, *statements: str) -> None:
+    """Run statements outside any trio loop (plain asyncio.run): for setup code only."""
+
+    async def main() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            for statement in statements:
+                await conn.execute(statement)
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
+
+
+def admin_fetchval_sync(dsn: str, query: str, *args: Any) -> Any:
+    async def main() -> Any:
+        conn = await asyncpg.connect(dsn)
+        try:
+            return await conn.fetchval(query, *args)
+        finally:
+            await conn.close()
+
+    return asyncio.run(main())
+
+
+def quote_ident(name: str) -> str:
+    """Quote an SQL identifier (channel and database names)."""
+    if "\x00" in name:
+        raise ValueError("identifier contains NUL")
+    return '"' + name.replace('"', '""') + '"'

@@ -1,0 +1,2 @@
+-- name: select_one
+SELECT 1;
