@@ -1,0 +1,15 @@
+"""The store: every read and write of relay state, as asyncio-side functions.
+
+Shape: *caller-owned transaction handle*. A function named ``*_tx`` takes the asyncpg
+connection of a transaction the caller opened (``Database.run_tx``), so the caller composes
+several writes into one transaction and one trio->asyncio crossing. Functions without the
+suffix are whole operations with their own transaction, exposed to trio through
+``Database.run``. SQL text lives in ``relay_trio/sql/queries/*.sql`` (``relay_trio.queries.Q``).
+
+Modules:
+  events     insert_event_tx, enqueue_tx, notify_tx (intake)
+  listeners  the registry (create/update/delete/list/get)
+  claims     claim_due, claim_by_id, complete, retry, release, dead-letter (delivery)
+  offsets    save_offset_tx, read_offset, stream reads (pull streams)
+  locks      acquire_lock, renew_lock, release_lock (leased locks)
+"""
