@@ -71,7 +71,9 @@ async def supervise(name: str, component: Component, pod: Pod, *, task_status=tr
 
 def components(pod: Pod) -> list[tuple[str, Component]]:
     """The background components, in start order. Feature modules add theirs here."""
-    found: list[tuple[str, Component]] = []
+    from relay_trio.pglistener import pglistener_component
+
+    found: list[tuple[str, Component]] = [("pglistener", pglistener_component)]
     return found
 
 
