@@ -68,6 +68,8 @@ class Settings(BaseSettings):
     heartbeat_timeout: float = Field(2.0, gt=0, description="Listener heartbeat deadline, seconds.")
     registry_refresh: float = Field(30.0, gt=0, description="Safety-net refresh of the listener registry cache.")
     janitor_interval: float = Field(30.0, gt=0, description="Seconds between janitor sweeps.")
+    stream_heartbeat: float = Field(15.0, gt=0, description="Seconds between SSE heartbeat comments on an idle stream.")
+    stream_poll: float = Field(1.0, gt=0, description="Safety-net re-read interval of an SSE stream, seconds.")
 
     shutdown_grace: float = Field(10.0, ge=0, description="Seconds in-flight deliveries get on SIGTERM.")
     log_format: Literal["json", "console"] = Field("json", description="Log line format.")

@@ -54,6 +54,9 @@ class Metrics:
         # janitor
         self.janitor_sweeps = Counter("relay_janitor_sweeps", "Janitor sweeps run by this pod.", registry=r)
         self.janitor_rows = Counter("relay_janitor_rows", "Rows the janitor changed, by action.", ["action"], registry=r)
+        # pull streams (SSE)
+        self.streams_open = Gauge("relay_streams_open", "SSE stream connections open now.", registry=r)
+        self.stream_events_sent = Counter("relay_stream_events_sent", "Events sent on SSE streams.", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
