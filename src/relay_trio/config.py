@@ -63,6 +63,7 @@ class Settings(BaseSettings):
     retry_cap: float = Field(300.0, gt=0, description="Longest retry delay, seconds.")
     listener_failure_threshold: int = Field(10, ge=1, description="Consecutive failures before a listener is backed off.")
     listener_backoff_cap: float = Field(600.0, gt=0, description="Longest whole-listener backoff, seconds.")
+    listener_backoff_base: float = Field(5.0, gt=0, description="First whole-listener backoff, seconds (doubles per level).")
 
     heartbeat_interval: float = Field(3.0, gt=0, description="Listener heartbeat period, seconds.")
     heartbeat_timeout: float = Field(2.0, gt=0, description="Listener heartbeat deadline, seconds.")
