@@ -74,6 +74,8 @@ def components(pod: Pod) -> list[tuple[str, Component]]:
     from relay_trio.pglistener import pglistener_component
 
     found: list[tuple[str, Component]] = [("pglistener", pglistener_component)]
+    from relay_trio.notifier import notifier_component; found.append(("notifier", notifier_component))  # noqa: E702
+    from relay_trio.registry import registry_component; found.append(("registry", registry_component))  # noqa: E702
     return found
 
 
