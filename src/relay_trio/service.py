@@ -31,6 +31,7 @@ from relay_trio.config import Settings
 from relay_trio.db import Database, open_asyncio_loop
 from relay_trio.migrations import migrate_conn
 from relay_trio.runtime import Pod
+from relay_trio.web import keepalive_fix
 from relay_trio.web.app import create_app
 
 log = logging.getLogger("relay_trio.service")
@@ -76,13 +77,31 @@ def components(pod: Pod) -> list[tuple[str, Component]]:
     found: list[tuple[str, Component]] = [("pglistener", pglistener_component)]
     from relay_trio.notifier import notifier_component; found.append(("notifier", notifier_component))  # noqa: E702
     from relay_trio.registry import registry_component; found.append(("registry", registry_component))  # noqa: E702
+    from relay_trio.lag import lag_component; found.append(("lag", lag_component))  # noqa: E702
     return found
 
 
+def http_drain_timeout(settings: Settings) -> float:
+    """How long in-flight HTTP requests get once shutdown starts.
+
+    Requests are short (every handler is bounded by the database deadline); the delivery
+    grace is a separate budget that starts after the HTTP drain.
+    """
+    return max(min(settings.shutdown_grace, settings.db_timeout + 1.0), 0.1)
+
+
 async def run_http(pod: Pod, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the API until ``pod.shutting_down`` is set, then drain and return.
+
+    On the trigger hypercorn closes the listening sockets at once (new connections are
+    refused), lets in-flight requests finish within the drain timeout, and closes idle
+    keep-alive connections right away. The last part needs ``keepalive_fix``: without it
+    an idle keep-alive connection holds the drain for the whole graceful timeout.
+    """
+    keepalive_fix.install()
     config = HypercornConfig()
     config.bind = [pod.settings.bind]
-    config.graceful_timeout = max(pod.settings.shutdown_grace, 0.1)
+    config.graceful_timeout = http_drain_timeout(pod.settings)
     config.keep_alive_timeout = 5
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
@@ -90,8 +109,24 @@ async def run_http(pod: Pod, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     await hypercorn_serve(app, config, shutdown_trigger=pod.shutting_down.wait, task_status=task_status)
 
 
+async def _serve_http(pod: Pod, http_done: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    try:
+        await run_http(pod, task_status=task_status)
+    finally:
+        http_done.set()
+        if not pod.shutting_down.is_set():
+            # A pod that cannot serve HTTP is of no use: shut the rest down too.
+            log.error("HTTP server stopped unexpectedly; shutting the pod down")
+            pod.shutting_down.set()
+
+
 async def run_pod(settings: Settings, dsn: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run one pod until ``pod.shutting_down`` is set, then shut down gracefully."""
+    """Run one pod until ``pod.shutting_down`` is set, then shut down gracefully.
+
+    Shutdown order (see ``graceful_shutdown``): HTTP stops accepting and drains; delivery
+    stops claiming and gets the grace; the remaining components (listener, notifier, ...)
+    are cancelled; every lease this pod still holds is released; the pool is closed.
+    """
     async with open_asyncio_loop():
         db = await Database.connect(
             dsn,
@@ -101,26 +136,68 @@ async def run_pod(settings: Settings, dsn: str, *, task_status=trio.TASK_STATUS_
             acquire_timeout=settings.pool_acquire_timeout,
             application_name=f"relay:{settings.pod_id}"[:63],
         )
+        pod: Pod | None = None
         try:
             await db.run(migrate_conn, timeout=120)
             pod = Pod.create(settings, db)
             async with trio.open_nursery() as root:
                 for name, component in components(pod):
                     await root.start(supervise, name, component, pod)
-                pod.bound_urls = await root.start(run_http, pod)
+                http_done = trio.Event()
+                pod.bound_urls = await root.start(_serve_http, pod, http_done)
                 log.info("relay pod %s serving on %s", pod.pod_id, ", ".join(pod.bound_urls))
                 task_status.started(pod)
                 await pod.shutting_down.wait()
-                await graceful_shutdown(pod)
+                log.info("graceful shutdown started")
+                await graceful_shutdown(pod, http_done)
                 root.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
+                if pod is not None:
+                    await release_own_leases(pod)
                 await db.close()
+            if pod is not None and pod.shutting_down.is_set():
+                log.info("graceful shutdown finished")
 
 
-async def graceful_shutdown(pod: Pod) -> None:
-    """Stop claiming, let in-flight deliveries finish within the grace, release leases."""
+async def graceful_shutdown(pod: Pod, http_done: trio.Event | None = None) -> None:
+    """The ordered part of a graceful shutdown, run while every component is still up.
+
+    1. HTTP: the trigger (``pod.shutting_down``) already closed the listening sockets;
+       wait for in-flight requests to finish (bounded by the drain timeout).
+    2. Delivery: stop claiming, give in-flight deliveries up to ``shutdown_grace``, cancel
+       the rest and release their leases (``pod.delivery.shutdown``).
+    The caller then cancels the remaining components and releases any lease left over.
+    """
+    if http_done is not None:
+        with trio.move_on_after(http_drain_timeout(pod.settings) + 1.0):
+            await http_done.wait()
     stop = getattr(pod.delivery, "shutdown", None)
     if stop is not None:
-        with trio.move_on_after(pod.settings.shutdown_grace + 1):
-            await stop(pod.settings.shutdown_grace)
+        with trio.move_on_after(pod.settings.shutdown_grace + 1) as cs:
+            try:
+                await stop(pod.settings.shutdown_grace)
+            except Exception:
+                log.exception("delivery shutdown failed; leases are released below")
+        if cs.cancelled_caught:
+            log.warning("delivery shutdown exceeded the grace; cancelling it")
+
+
+async def release_own_leases(pod: Pod) -> None:
+    """Safety net: release every lease this pod still holds, then wake the other pods.
+
+    Normally ``pod.delivery.shutdown`` released them already; this catches deliveries
+    cancelled by a crash or an overrun grace, so another pod claims those rows at once
+    instead of after the lease expires. Runs after every delivery task is gone.
+    """
+    from relay_trio.db import DatabaseUnavailable
+    from relay_trio.store.ops import release_pod_leases
+
+    with trio.move_on_after(3.0):
+        try:
+            released = await pod.db.run_tx(release_pod_leases, pod.pod_id, timeout=2.5)
+        except DatabaseUnavailable as exc:
+            log.warning("could not release this pod's leases: %s", exc)
+            return
+        if released:
+            log.info("released leases at shutdown", extra={"released": released})

@@ -1,4 +1,12 @@
-"""Liveness and readiness."""
+"""Liveness (/healthz) and readiness (/readyz).
+
+/healthz answers 200 while the event loop runs: it touches nothing else, so a slow
+database never gets a pod restarted. /readyz answers 200 only when this pod can do its
+job: the database answers, every migration is applied, every supervised component (the
+delivery loop, the listener, ...) is alive, and the pod is not shutting down. Otherwise
+503 with ``{"error": "not_ready", "problems": [...]}``. A degraded listener (LISTEN/NOTIFY
+unavailable, delivering on hand-off and poll only) is reported but keeps the pod ready.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,8 @@ from relay_trio.web.context import pod
 
 bp = Blueprint("health", __name__)
 
+READINESS_DB_TIMEOUT = 2.0
+
 
 @bp.get("/healthz")
 async def healthz():
@@ -17,18 +27,20 @@ async def healthz():
 
 
 async def readiness_problems() -> tuple[list[str], dict]:
+    """(problems that make the pod not ready, details reported either way)."""
     p = pod()
     problems: list[str] = []
-    detail: dict = {}
+    detail: dict = {"pod": p.pod_id, "components": dict(sorted(p.tasks_alive.items()))}
     try:
-        pending = await p.db.run(pending_migrations_tx, timeout=2.0)
+        # One crossing answers both "database reachable" and "migrations applied".
+        pending = await p.db.run(pending_migrations_tx, timeout=READINESS_DB_TIMEOUT)
         if pending:
             problems.append("migrations_pending: " + ", ".join(f"{m.version:04d}_{m.name}" for m in pending))
     except DatabaseUnavailable as exc:
         problems.append(f"database_unreachable: {exc}")
     for name, alive in sorted(p.tasks_alive.items()):
         if not alive:
-            problems.append(f"task_down: {name}")
+            problems.append(f"component_down: {name}")
     if p.pglistener is not None:
         status = p.pglistener.status()
         detail["listener"] = status
@@ -42,7 +54,11 @@ async def readiness_problems() -> tuple[list[str], dict]:
 @bp.get("/readyz")
 async def readyz():
     problems, detail = await readiness_problems()
-    body = {"status": "ready" if not problems else "not_ready", "problems": problems, **detail}
+    if problems:
+        body = {"error": "not_ready", "detail": "; ".join(problems), "problems": problems, **detail}
+    else:
+        body = {"status": "ready", "problems": [], **detail}
     resp = jsonify(body)
     resp.status_code = 200 if not problems else 503
+    resp.headers["Cache-Control"] = "no-store"
     return resp
