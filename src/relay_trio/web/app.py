@@ -30,6 +30,7 @@ def create_app(pod: Pod) -> QuartTrio:
     from relay_trio.web import events, listeners; blueprints += [events.bp, listeners.bp]  # noqa: E702
     from relay_trio.web import stream; blueprints.append(stream.bp)  # noqa: E702
     from relay_trio.web import ops; blueprints.append(ops.bp)  # noqa: E702
+    from relay_trio.web import deliveries; blueprints.append(deliveries.bp)  # noqa: E702
     for bp in blueprints:
         app.register_blueprint(bp)
     return app
