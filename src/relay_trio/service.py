@@ -78,6 +78,7 @@ def components(pod: Pod) -> list[tuple[str, Component]]:
     from relay_trio.notifier import notifier_component; found.append(("notifier", notifier_component))  # noqa: E702
     from relay_trio.registry import registry_component; found.append(("registry", registry_component))  # noqa: E702
     from relay_trio.delivery.loop import delivery_component; found.append(("delivery", delivery_component))  # noqa: E702
+    from relay_trio.janitor import janitor_component; found.append(("janitor", janitor_component))  # noqa: E702
     from relay_trio.lag import lag_component; found.append(("lag", lag_component))  # noqa: E702
     return found
 
