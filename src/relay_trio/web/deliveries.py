@@ -75,7 +75,7 @@ async def list_deliveries():
     limit = _int_arg("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     before = _int_arg("before", None, 1, MAX_ID)
     rows = await pod().db.run(
-        claims.list_deliveries, listener=listener, status=status, before=before, limit=limit
+        lambda conn: claims.list_deliveries(conn, listener=listener, status=status, before=before, limit=limit)
     )
     items = [_row(r) for r in rows]
     next_before = items[-1]["id"] if len(items) == limit else None

@@ -52,7 +52,8 @@ def install_error_handlers(app: Quart) -> None:
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException):
         status = exc.code or 500
-        return error_response(status, _HTTP_CODES.get(status, "http_error"), exc.description)
+        allow = {"Allow": ", ".join(exc.valid_methods)} if getattr(exc, "valid_methods", None) else None  # RFC 9110: 405 lists methods
+        return error_response(status, _HTTP_CODES.get(status, "http_error"), exc.description, allow)
 
     @app.errorhandler(DatabaseUnavailable)
     async def _db_down(exc: DatabaseUnavailable):
