@@ -15,7 +15,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
-from fault_helpers import PodProcess, auth
+from proc_helpers import PodProcess, auth
 from relay_trio.web.openapi import openapi_document
 
 TOKEN = "schemathesis-token-1"
