@@ -285,3 +285,82 @@ class RecordingListener:
         return [
             (r.body.get("event") or {}).get("id") for r in self.snapshot() if isinstance(r.body, dict)
         ]
+
+
+class AdvisoryLockHolder:
+    """Hold a session-level advisory lock from a separate connection (in a thread), e.g.
+    the events trigger's lock (72604210001) to make every POST /events wait in the
+    database: a request that stays in flight for as long as the test wants."""
+
+    EVENTS_SEQ_LOCK = 72604210001
+
+    def __init__(self, dsn: str, key: int = EVENTS_SEQ_LOCK):
+        self.dsn = dsn
+        self.key = key
+        self._acquired = threading.Event()
+        self._release = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="advisory-lock", daemon=True)
+
+    def _run(self) -> None:
+        import asyncio
+
+        import asyncpg
+
+        async def main() -> None:
+            conn = await asyncpg.connect(self.dsn)
+            try:
+                await conn.execute("SELECT pg_advisory_lock($1)", self.key)
+                self._acquired.set()
+                while not self._release.is_set():
+                    await asyncio.sleep(0.02)
+                await conn.execute("SELECT pg_advisory_unlock($1)", self.key)
+            finally:
+                await conn.close()
+
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported by __enter__/release
+            self._error = exc
+            self._acquired.set()
+
+    def __enter__(self) -> AdvisoryLockHolder:
+        self._thread.start()
+        self._acquired.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join(30)
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Background:
+    """Run a blocking call in a thread; ``result(timeout)`` returns it or re-raises."""
+
+    def __init__(self, fn, *args, **kwargs):
+        self._out: list = []
+        self._thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args, kwargs) -> None:
+        try:
+            self._out.append(("ok", fn(*args, **kwargs)))
+        except BaseException as exc:
+            self._out.append(("err", exc))
+
+    def done(self) -> bool:
+        return bool(self._out)
+
+    def result(self, timeout: float):
+        self._thread.join(timeout)
+        if not self._out:
+            raise TimeoutError("background call still running")
+        kind, value = self._out[0]
+        if kind == "err":
+            raise value
+        return value

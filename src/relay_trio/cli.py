@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from relay_trio import __version__
 from relay_trio.config import Settings, config_table
-from relay_trio.logs import configure_logging
+from relay_trio.logs import configure_logging, settings_secrets
 
 log = logging.getLogger("relay_trio.cli")
 
@@ -69,51 +69,60 @@ def database_dsn(settings: Settings) -> Iterator[str]:
             cluster.stop()
 
 
+FORCED_EXIT_CODE = 1
+
+
 async def serve_main(settings: Settings, dsn: str) -> None:
+    """Run the pod until a signal; the first SIGTERM/SIGINT shuts down gracefully, a second
+    one exits at once (``os._exit``: no cleanup, leases then expire on their own).
+
+    A first signal during start-up cancels the start-up (nothing is serving yet).
+    Processes started in the background from a non-interactive shell ignore SIGINT, so
+    both signals are handled here explicitly rather than through KeyboardInterrupt.
+    """
     from relay_trio.service import run_pod
 
-    done = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            pod_holder: list = []
 
-    async with trio.open_nursery() as nursery:
-        pod_holder: list = []
+            async def pod_task() -> None:
+                try:
+                    await run_pod(settings, dsn, task_status=_Started(pod_holder))
+                finally:
+                    nursery.cancel_scope.cancel()
 
-        async def pod_task() -> None:
-            try:
-                await run_pod(settings, dsn, task_status=_Started(pod_holder, nursery_started))
-            finally:
-                done.set()
-                nursery.cancel_scope.cancel()
+            nursery.start_soon(pod_task)
 
-        nursery_started = trio.Event()
-        nursery.start_soon(pod_task)
-
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             count = 0
             async for signum in signals:
                 count += 1
+                name = signal.Signals(signum).name
                 if count == 1 and pod_holder:
-                    log.info("received %s: graceful shutdown", signal.Signals(signum).name)
+                    log.info("received %s: graceful shutdown (again to exit at once)", name, extra={"signal": name})
                     pod_holder[0].shutting_down.set()
+                elif count == 1:
+                    log.info("received %s during start-up: stopping", name, extra={"signal": name})
+                    nursery.cancel_scope.cancel()
                 else:
-                    log.warning("signal %s again (or before start-up finished): exiting now", signum)
-                    os._exit(1)
+                    log.warning("received %s again: exiting now", name, extra={"signal": name})
+                    logging.shutdown()
+                    os._exit(FORCED_EXIT_CODE)
 
 
 class _Started:
     """A task_status stand-in that records the pod for the signal handler."""
 
-    def __init__(self, holder: list, event: trio.Event):
+    def __init__(self, holder: list):
         self.holder = holder
-        self.event = event
 
     def started(self, value=None) -> None:
         self.holder.append(value)
-        self.event.set()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = load_settings()
-    configure_logging(settings.pod_id, settings.log_format, settings.log_level)
+    configure_logging(settings.pod_id, settings.log_format, settings.log_level, settings_secrets(settings))
     check_auth_binding(settings)
     with database_dsn(settings) as dsn:
         try:
@@ -125,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     settings = load_settings()
-    configure_logging(settings.pod_id, settings.log_format, settings.log_level)
+    configure_logging(settings.pod_id, settings.log_format, settings.log_level, settings_secrets(settings))
 
     async def main(dsn: str) -> list[int]:
         from relay_trio.db import Database, open_asyncio_loop
