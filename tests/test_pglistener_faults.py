@@ -123,3 +123,31 @@ async def test_tcp_connection_gets_client_keepalive(aio_loop, database_url, sett
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 1
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
         nursery.cancel_scope.cancel()
+
+
+async def test_mention_committed_while_the_listener_was_deaf_is_delivered_promptly(pod_factory, db, nursery):
+    """Notifications sent while the listener is down are gone; the reconnect wake-all makes
+    the delivery loop re-read, so the row goes out at once instead of at the next poll.
+
+    The row is committed with no NOTIFY at all (exactly what a listener that was down sees),
+    hand-off is off and the poll is 60 s: only the reconnect wake can deliver it in time.
+    """
+    from delivery_support import RecordingServer, add_listener, add_rows
+
+    server = RecordingServer()
+    hook = await server.start(nursery) + "/hook"
+    await add_listener(db, "bot", hook)
+    pod = await pod_factory(target_deny_cidrs="", handoff_enabled=False, poll_min=60, poll_max=60,
+                            heartbeat_interval=0.5, heartbeat_timeout=2.0)
+    await trio.sleep(1.0)  # the start-up poll and the first (connect) wake have found nothing
+    [row] = await add_rows(db, ["bot"], content="while you were away")
+    await trio.sleep(1.0)
+    assert server.requests == []  # nothing wakes the loop for this row ...
+    [pid] = await backend_pids(db, pod.pglistener.application_name)
+    t0 = trio.current_time()
+    assert await terminate_backend(db, pid)
+    with trio.fail_after(10):  # ... until the reconnect wakes every subscriber (poll: 60 s)
+        await server.got_request.wait()
+    print(f"terminate -> row delivered: {(trio.current_time() - t0) * 1000:.0f} ms")
+    assert server.requests[0]["headers"]["webhook-id"] == str(row)
+    assert pod.pglistener.status()["reconnects"] == 1
