@@ -53,7 +53,9 @@ class PgDeliveryStore:
     def _spec(self, limit: int, via: str, budgets: Mapping[str, int], default_budget: int) -> claims.ClaimSpec:
         return claims.ClaimSpec(
             owner=self.pod_id,
-            lease_seconds=self.settings.lease_seconds,
+            # The lease must outlive one attempt plus its settlement (no renewal needed
+            # while lease_seconds covers the delivery deadline with margin).
+            lease_seconds=max(self.settings.lease_seconds, self.settings.delivery_timeout + 2 * self.settings.db_timeout),
             routes=self.settings.route_set,
             limit=limit,
             via=via,
