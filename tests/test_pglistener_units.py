@@ -88,3 +88,20 @@ async def test_reconnect_backoff_is_jittered_exponential_and_capped(autojump_clo
     assert gaps[3] > gaps[0] * 2              # growing
     assert max(gaps) <= pglistener.RECONNECT_MAX
     assert 15 <= len(attempts) <= 60          # no hot loop: about one attempt per 1.5-3 s once capped
+
+
+async def test_server_refusing_listen_is_degraded_with_one_warning(autojump_clock, monkeypatch, caplog):
+    import asyncpg
+
+    async def standby(*args, **kwargs):
+        raise asyncpg.exceptions.FeatureNotSupportedError("cannot execute LISTEN during recovery")
+
+    monkeypatch.setattr(pglistener, "connect_dedicated", standby)
+    listener = PgListener("postgresql://nowhere/x", "p1", Settings(database_url="x"), Metrics())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(listener.run)
+        await trio.sleep(30)  # many retries: the component keeps running, one warning only
+        assert listener.status()["state"] == "degraded"
+        nursery.cancel_scope.cancel()
+    warnings = [r for r in caplog.records if "DEGRADED" in r.getMessage()]
+    assert len(warnings) == 1 and "during recovery" in warnings[0].getMessage()

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+import asyncpg
 import trio
 
 from relay_trio import channels as ch
@@ -354,6 +355,10 @@ class PgListener:
                     log.warning("listener connection lost: %s; reconnecting", exc, extra={"pod": self.pod_id})
                 except DatabaseUnavailable as exc:
                     log.warning("listener cannot connect: %s; retrying", exc, extra={"pod": self.pod_id})
+                except asyncpg.PostgresError as exc:
+                    # The server refused LISTEN or NOTIFY itself (a hot standby: "cannot execute
+                    # LISTEN during recovery"): the same silent-loss risk as a failed probe.
+                    self._enter_degraded(f"the server refused LISTEN/NOTIFY: {type(exc).__name__}: {exc}")
                 except Exception as exc:
                     if not is_connection_lost(exc):
                         raise
@@ -387,7 +392,10 @@ class PgListener:
             self._conn = conn
             rtt = await self._round_trip(conn)
             if rtt is None:
-                self._enter_degraded()
+                self._enter_degraded(
+                    f"a NOTIFY to ourselves did not arrive within {self.settings.heartbeat_timeout:.1f}s "
+                    "(a transaction-pooling proxy in front of the database?)"
+                )
                 return
             if self._warned_degraded:
                 log.warning("listener self-probe succeeded again; LISTEN/NOTIFY wakes restored", extra={"pod": self.pod_id})
@@ -410,17 +418,19 @@ class PgListener:
 
     _lost_reason = "terminated by the server"
 
-    def _enter_degraded(self) -> None:
+    def _enter_degraded(self, reason: str) -> None:
+        """Report (once per episode) that wakes are unavailable; never fail silently."""
         self._set_state("degraded")
         if not self._warned_degraded:
             self._warned_degraded = True
             log.warning(
-                "LISTEN/NOTIFY self-probe failed: a NOTIFY to ourselves did not arrive within %.1fs "
-                "(a transaction-pooling proxy in front of the database?). The listener is DEGRADED: "
-                "delivery continues on hand-off and poll; retrying in the background.",
-                self.settings.heartbeat_timeout,
+                "LISTEN/NOTIFY self-probe failed: %s. The listener is DEGRADED: delivery continues "
+                "on hand-off and poll; retrying in the background.",
+                reason,
                 extra={"pod": self.pod_id},
             )
+        else:
+            log.debug("listener still degraded: %s", reason, extra={"pod": self.pod_id})
 
     async def _heartbeat_loop(self, conn: Any, lost: trio.Event) -> None:
         while True:
