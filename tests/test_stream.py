@@ -187,9 +187,10 @@ async def test_offset_is_monotonic_over_http(pod_factory, db):
 async def test_stream_auth_admin_or_own_token_only(pod_factory, db):
     pod = await pod_factory(admin_token=ADMIN)
     alpha = await add_listener(db, "alpha")
+    # (client read timeout 5 s: a stream wrongly opened by a plain GET fails fast, not by hanging)
     beta = await add_listener(db, "beta")
     await publish(db, "e1", ["alpha"])
-    async with httpx.AsyncClient(base_url=pod.base_url, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=pod.base_url, timeout=5) as client:
         assert (await client.get("/listeners/alpha/stream")).status_code == 401
         wrong = await client.get("/listeners/alpha/stream", headers=auth(beta))  # beta's token, alpha's stream
         assert wrong.status_code == 401 and wrong.json()["error"] == "unauthorized"
@@ -280,6 +281,7 @@ async def test_graceful_shutdown_ends_open_streams(pod_factory, db):
     async with httpx.AsyncClient(base_url=pod.base_url, timeout=30) as client:
         async with open_sse(client, "/listeners/alpha/stream", headers=auth(token)) as sse:
             await sse.next_event()
+            await trio.sleep(0.5)  # let the stream go idle (its first wake is consumed at once)
             pod.shutting_down.set()
             with trio.fail_after(8):
                 assert await sse.next_or_end() is None  # clean end of the body, no error
