@@ -310,3 +310,26 @@ async def test_stream_keeps_receiving_across_a_listener_backend_kill(pod_factory
             await wait_until(lambda: pod.pglistener.status()["reconnects"] >= 1, timeout=20)
             s3 = await publish(db, "e3", ["alpha"])
             assert (await sse.next_event())["seq"] == s3
+
+
+async def test_end_to_end_post_events_then_stream_and_resume(pod_factory):
+    """The README's curl walk-through: create a listener, stream it, POST events, resume."""
+    pod = await pod_factory(admin_token=ADMIN, ingest_tokens="ingest-secret", stream_poll=SLOW_POLL)
+    async with httpx.AsyncClient(base_url=pod.base_url, timeout=30) as client:
+        created = await client.put("/listeners/alpha", json={"url": "http://127.0.0.1:9/hook"}, headers=auth(ADMIN))
+        assert created.status_code == 201, created.text
+        token = created.json()["stream_token"]
+
+        async def post(event_id: str) -> int:
+            body = {"id": event_id, "channel": "general", "author": "alice", "content": "hi", "mentions": ["alpha"]}
+            resp = await client.post("/events", json=body, headers=auth("ingest-secret"))
+            assert resp.status_code in (200, 201, 202), resp.text
+            return resp.json()["seq"]
+
+        async with open_sse(client, "/listeners/alpha/stream", headers=auth(token)) as sse:
+            s1 = await post("evt-1")
+            got = await sse.next_event()  # live: intake's NOTIFY woke the stream
+            assert (got["seq"], got["id"], got["mentions"]) == (s1, "evt-1", ["alpha"])
+        s2 = await post("evt-2")
+        async with open_sse(client, "/listeners/alpha/stream", headers={**auth(token), "Last-Event-ID": str(s1)}) as sse:
+            assert (await sse.next_event())["seq"] == s2
