@@ -52,6 +52,7 @@ log = logging.getLogger("relay_trio.pglistener")
 
 RECONNECT_MIN = 0.05  # first retry delay, seconds (before jitter)
 RECONNECT_MAX = 3.0   # backoff ceiling, seconds
+STABLE_AFTER = 5.0    # a connection healthy this long resets the backoff
 CONNECT_TIMEOUT = 5.0
 DEFAULT_BUFFER = 16
 STATES = ("connected", "reconnecting", "degraded", "stopped")
@@ -333,18 +334,17 @@ class PgListener:
         self._set_state("reconnecting")
         try:
             while True:
-                healthy = False
+                healthy_since: float | None = None
 
                 def on_ready() -> None:
                     # Connected, LISTENing, probed and every subscriber woken.
-                    nonlocal healthy, ever_connected, attempt, started
-                    healthy = True
+                    nonlocal healthy_since, ever_connected, started
+                    healthy_since = trio.current_time()
                     if ever_connected:
                         self._reconnects += 1
                         self.metrics.listener_reconnects.inc()
                         log.info("listener reconnected", extra={"pod": self.pod_id, "reconnects": self._reconnects})
                     ever_connected = True
-                    attempt = 0
                     if not started:
                         started = True
                         task_status.started()
@@ -368,9 +368,10 @@ class PgListener:
                 if not started:
                     started = True
                     task_status.started()
-                if not healthy:
-                    attempt += 1
-                delay = min(RECONNECT_MAX, RECONNECT_MIN * 2 ** max(attempt - 1, 0))
+                if healthy_since is not None and trio.current_time() - healthy_since >= STABLE_AFTER:
+                    attempt = 0  # it was stable: the next loss starts again from ~50 ms
+                attempt += 1  # a server that accepts and then drops us at once still backs off
+                delay = min(RECONNECT_MAX, RECONNECT_MIN * 2 ** min(attempt - 1, 16))
                 await trio.sleep(delay * random.uniform(0.5, 1.0))
         finally:
             self._set_state("stopped")
