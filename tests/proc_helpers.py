@@ -209,6 +209,7 @@ class RecordingListener:
     status: int = 200
     received: list[Received] = field(default_factory=list)
     started: int = 0
+    arrivals: list[Received] = field(default_factory=list)  # at arrival, before the delay
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -221,26 +222,31 @@ class RecordingListener:
             def do_POST(self) -> None:  # noqa: N802
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length)
-                with outer._cond:
-                    outer.started += 1
-                    outer._cond.notify_all()
-                delay = outer.delay
-                if delay:
-                    time.sleep(delay)
                 try:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     body = raw.decode(errors="replace")
-                payload = b'{"ok": true}'
-                self.send_response(outer.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                headers = {k.lower(): v for k, v in self.headers.items()}
                 with outer._cond:
-                    outer.received.append(
-                        Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body, time.monotonic())
-                    )
+                    outer.started += 1
+                    outer.arrivals.append(Received(self.path, headers, body, time.monotonic()))
+                    outer._cond.notify_all()
+                delay = outer.delay
+                if delay:
+                    time.sleep(delay)
+                payload = b'{"ok": true}'
+                try:
+                    self.send_response(outer.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    self.wfile.flush()
+                except OSError:  # the sender gave up (cancelled delivery): not received
+                    self.close_connection = True
+                    return
+                with outer._cond:
+                    outer.received.append(Received(self.path, headers, body, time.monotonic()))
                     outer._cond.notify_all()
 
             def log_message(self, *args: Any) -> None:
@@ -266,6 +272,10 @@ class RecordingListener:
     def snapshot(self) -> list[Received]:
         with self._lock:
             return list(self.received)
+
+    def arrivals_snapshot(self) -> list[Received]:
+        with self._lock:
+            return list(self.arrivals)
 
     def wait_for(self, predicate, timeout: float) -> bool:
         """Block until ``predicate(self)`` holds (checked on every arrival) or timeout."""

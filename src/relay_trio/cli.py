@@ -129,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             trio.run(serve_main, settings, dsn)
         except KeyboardInterrupt:
             pass
+    log.info("stopped")
     return 0
 
 

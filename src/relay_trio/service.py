@@ -139,6 +139,7 @@ async def run_pod(settings: Settings, dsn: str, *, task_status=trio.TASK_STATUS_
             application_name=f"relay:{settings.pod_id}"[:63],
         )
         pod: Pod | None = None
+        woken = False
         try:
             await db.run(migrate_conn, timeout=120)
             pod = Pod.create(settings, db)
@@ -151,25 +152,29 @@ async def run_pod(settings: Settings, dsn: str, *, task_status=trio.TASK_STATUS_
                 task_status.started(pod)
                 await pod.shutting_down.wait()
                 log.info("graceful shutdown started")
-                await graceful_shutdown(pod, http_done)
+                woken = await graceful_shutdown(pod, http_done)
                 root.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
                 if pod is not None:
-                    await release_own_leases(pod)
+                    await release_own_leases(pod, wake=not woken)
                 await db.close()
             if pod is not None and pod.shutting_down.is_set():
                 log.info("graceful shutdown finished")
 
 
-async def graceful_shutdown(pod: Pod, http_done: trio.Event | None = None) -> None:
+async def graceful_shutdown(pod: Pod, http_done: trio.Event | None = None) -> bool:
     """The ordered part of a graceful shutdown, run while every component is still up.
 
     1. HTTP: the trigger (``pod.shutting_down``) already closed the listening sockets;
        wait for in-flight requests to finish (bounded by the drain timeout).
     2. Delivery: stop claiming, give in-flight deliveries up to ``shutdown_grace``, cancel
        the rest and release their leases (``pod.delivery.shutdown``).
-    The caller then cancels the remaining components and releases any lease left over.
+    3. When delivery stopped cleanly: release any lease left and wake the other pods now
+       (the listener is still up), so they claim the released rows and any hand-off this
+       pod never claimed at once. Returns whether that wake was sent.
+    The caller then cancels the remaining components and runs the lease release again as
+    a safety net (after every delivery task is gone).
     """
     if http_done is not None:
         with trio.move_on_after(http_drain_timeout(pod.settings) + 1.0):
@@ -180,26 +185,33 @@ async def graceful_shutdown(pod: Pod, http_done: trio.Event | None = None) -> No
             try:
                 await stop(pod.settings.shutdown_grace)
             except Exception:
-                log.exception("delivery shutdown failed; leases are released below")
+                log.exception("delivery shutdown failed; leases are released after cancelling it")
+                return False
         if cs.cancelled_caught:
             log.warning("delivery shutdown exceeded the grace; cancelling it")
+            return False
+    return await release_own_leases(pod, wake=True)
 
 
-async def release_own_leases(pod: Pod) -> None:
-    """Safety net: release every lease this pod still holds, then wake the other pods.
+async def release_own_leases(pod: Pod, *, wake: bool) -> bool:
+    """Release every lease this pod still holds; NOTIFY the outbox channel when ``wake``
+    or when anything was released. Returns whether the database took it.
 
     Normally ``pod.delivery.shutdown`` released them already; this catches deliveries
     cancelled by a crash or an overrun grace, so another pod claims those rows at once
-    instead of after the lease expires. Runs after every delivery task is gone.
+    instead of after the lease expires. Only call it when no delivery task of this pod
+    can still complete a row.
     """
     from relay_trio.db import DatabaseUnavailable
     from relay_trio.store.ops import release_pod_leases
 
     with trio.move_on_after(3.0):
         try:
-            released = await pod.db.run_tx(release_pod_leases, pod.pod_id, timeout=2.5)
+            released = await pod.db.run_tx(release_pod_leases, pod.pod_id, wake, timeout=2.5)
         except DatabaseUnavailable as exc:
             log.warning("could not release this pod's leases: %s", exc)
-            return
+            return False
         if released:
-            log.info("released leases at shutdown", extra={"released": released})
+            log.info("released %d leases left at shutdown", released, extra={"released": released})
+        return True
+    return False
