@@ -164,8 +164,11 @@ async def test_start_position_after_param_then_saved_offset(pod_factory, db):
             assert (await sse.next_event())["seq"] == seqs[3]
         async with open_sse(client, "/listeners/alpha/stream", params={"after": 0}, headers=headers) as sse:
             assert (await sse.next_event())["seq"] == seqs[0]
-        bad = await client.get("/listeners/alpha/stream", params={"after": "x"})
-        assert bad.status_code == 400 and bad.json()["error"] == "invalid_cursor"
+        for after in ("x", "-1", str(2**63)):
+            bad = await client.get("/listeners/alpha/stream", params={"after": after})
+            assert bad.status_code == 400 and bad.json()["error"] == "invalid_cursor", after
+        bad = await client.get("/listeners/alpha/stream", headers={"Last-Event-ID": "nope"})
+        assert bad.status_code == 400
 
 
 async def test_offset_is_monotonic_over_http(pod_factory, db):
@@ -178,9 +181,11 @@ async def test_offset_is_monotonic_over_http(pod_factory, db):
         assert lower.status_code == 409
         assert lower.json()["error"] == "offset_regression"
         assert lower.json()["detail"]["current"] == 10
-        for body in ({"seq": -1}, {"seq": "11"}, {"seq": True}, {}, [1]):
+        for body in ({"seq": -1}, {"seq": "11"}, {"seq": True}, {"seq": 2**63}, {"seq": 1.5}, {}, [1]):
             resp = await client.put("/listeners/alpha/offset", json=body)
             assert resp.status_code == 400, body
+        text = await client.put("/listeners/alpha/offset", content=b"12", headers={"content-type": "text/plain"})
+        assert text.status_code == 415
         assert (await client.get("/listeners/alpha/offset")).json()["seq"] == 10
 
 
@@ -197,6 +202,10 @@ async def test_stream_auth_admin_or_own_token_only(pod_factory, db):
         assert (await client.put("/listeners/alpha/offset", json={"seq": 1}, headers=auth(beta))).status_code == 401
         assert (await client.get("/listeners/nobody/stream", headers=auth(alpha))).status_code == 401
         assert (await client.get("/listeners/nobody/stream", headers=auth(ADMIN))).status_code == 404
+        # A name no listener can have (here with NUL) is never sent to PostgreSQL: no 500.
+        assert (await client.get("/listeners/a%00b/stream", headers=auth(alpha))).status_code == 401
+        assert (await client.get("/listeners/a%00b/stream", headers=auth(ADMIN))).status_code == 404
+        assert (await client.put("/listeners/a%00b/offset", json={"seq": 1}, headers=auth(ADMIN))).status_code == 404
         for token in (alpha, ADMIN):
             async with open_sse(client, "/listeners/alpha/stream", headers=auth(token)) as sse:
                 assert sse.response.status_code == 200

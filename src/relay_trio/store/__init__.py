@@ -10,6 +10,8 @@ Modules:
   events     insert_event_tx, enqueue_tx, notify_tx (intake)
   listeners  the registry (create/update/delete/list/get)
   claims     claim_due, claim_by_id, complete, retry, release, dead-letter (delivery)
-  offsets    save_offset_tx, read_offset, stream reads (pull streams)
-  locks      acquire_lock, renew_lock, release_lock (leased locks)
+  offsets    save_offset_tx, read_offset, read_stream (settled rows only), stream auth lookup
+  locks      acquire_lock(name, ttl, owner), renew_lock(lease, ttl), release_lock(lease):
+             leases on the database clock, fencing tokens from the fencing_tokens sequence
+  janitor    dead_letter_expired, prune_delivered_tx (one bounded batch per call)
 """

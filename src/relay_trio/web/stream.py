@@ -34,6 +34,7 @@ from quart import Blueprint, jsonify, make_response, request
 
 from relay_trio import channels
 from relay_trio.db import DatabaseUnavailable
+from relay_trio.intake import NAME_RE
 from relay_trio.runtime import Pod
 from relay_trio.store.offsets import (
     STREAM_BATCH,
@@ -47,12 +48,15 @@ from relay_trio.store.offsets import (
 )
 from relay_trio.web.context import pod
 from relay_trio.web.errors import ApiError
+from relay_trio.web.jsonbody import read_json_body
 
 from relay_trio.web.auth import require_admin
 
 log = logging.getLogger("relay_trio.web.stream")
 
 bp = Blueprint("stream", __name__)
+
+MAX_SEQ = 2**63 - 1  # seq is a bigint: larger values would fail in the driver, not with a 400
 
 
 # -- auth -------------------------------------------------------------------------------
@@ -75,7 +79,9 @@ async def authorize(name: str) -> StreamListener:
 
     An unknown listener is only revealed (404) to an admin: anyone else gets 401 either way.
     """
-    listener = await pod().db.run(get_stream_listener, name)
+    # A name no listener can have (NUL, too long, ...) is not looked up: PostgreSQL text
+    # refuses NUL, and the answer is "not found" anyway.
+    listener = await pod().db.run(get_stream_listener, name) if NAME_RE.fullmatch(name) else None
     if listener is not None and stream_token_matches(_bearer_token(), listener.stream_token_hash):
         return listener
     require_admin()
@@ -90,7 +96,7 @@ def _parse_seq(raw: str, source: str) -> int:
         value = int(raw.strip())
     except ValueError:
         raise ApiError(400, "invalid_cursor", f"{source} must be a non-negative integer seq") from None
-    if value < 0:
+    if not 0 <= value <= MAX_SEQ:
         raise ApiError(400, "invalid_cursor", f"{source} must be a non-negative integer seq")
     return value
 
@@ -209,9 +215,9 @@ async def stream(name: str):
 async def put_offset(name: str):
     p = pod()
     await authorize(name)
-    body = await request.get_json(silent=True)
+    body = await read_json_body()
     seq = body.get("seq") if isinstance(body, dict) else None
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= MAX_SEQ:
         raise ApiError(400, "invalid_offset", 'body must be {"seq": <non-negative integer>}')
     try:
         saved = await p.db.run_tx(save_offset_tx, name, seq)
