@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -100,13 +101,17 @@ def check_name(field: str, value: Any) -> str:
 
 
 def _check_json_value(field: str, value: Any, depth: int) -> None:
-    """Reject what PostgreSQL's jsonb refuses (NUL, lone surrogates) and deep nesting."""
+    """Reject what PostgreSQL's jsonb refuses (NUL, lone surrogates, non-finite numbers)
+    and deep nesting."""
     if depth > MAX_META_DEPTH:
         raise _invalid(field, f"must nest at most {MAX_META_DEPTH} levels")
     if isinstance(value, str):
         if "\x00" in value:
             raise _invalid(field, "must not contain NUL characters")
         _utf8_len(field, value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):  # 1e400 parses as inf; jsonb has no Infinity
+            raise _invalid(field, "numbers must be finite")
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_json_value(field, k, depth + 1)
