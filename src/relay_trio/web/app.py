@@ -21,6 +21,7 @@ def create_app(pod: Pod) -> QuartTrio:
     app.config["JSON_SORT_KEYS"] = False
     app.extensions["relay_pod"] = pod
     install_error_handlers(app)
+    from relay_trio.web import body_drain; body_drain.install(app)  # noqa: E702 (keep-alive after early rejections)
 
     from relay_trio.web import health
 
