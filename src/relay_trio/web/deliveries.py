@@ -70,8 +70,8 @@ async def list_deliveries():
     if status is not None and status not in STATUSES:
         raise ApiError(400, "invalid_query", {"field": "status", "message": f"one of {', '.join(STATUSES)}"})
     listener = request.args.get("listener") or None
-    if listener is not None and len(listener) > 128:
-        raise ApiError(400, "invalid_query", {"field": "listener", "message": "at most 128 characters"})
+    if listener is not None and (len(listener) > 128 or "\x00" in listener):  # PostgreSQL text refuses NUL
+        raise ApiError(400, "invalid_query", {"field": "listener", "message": "at most 128 characters, no NUL"})
     limit = _int_arg("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     before = _int_arg("before", None, 1, MAX_ID)
     rows = await pod().db.run(

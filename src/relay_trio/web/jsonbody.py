@@ -31,6 +31,6 @@ async def read_json_body() -> Any:
         limit = request.max_content_length
         raise ApiError(413, "payload_too_large", f"the body is over the limit of {limit} bytes") from None
     try:
-        return json.loads(data, parse_constant=_reject_constant)
+        return json.loads(data, parse_constant=_reject_constant, parse_float=lambda s: float(s) if abs(float(s)) != float("inf") else _reject_constant(f"{s[:40]} (out of range)"))
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {str(exc)[:200]}") from None
