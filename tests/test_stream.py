@@ -8,6 +8,7 @@ missing wake.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from contextlib import asynccontextmanager
@@ -342,3 +343,38 @@ async def test_end_to_end_post_events_then_stream_and_resume(pod_factory):
         s2 = await post("evt-2")
         async with open_sse(client, "/listeners/alpha/stream", headers={**auth(token), "Last-Event-ID": str(s1)}) as sse:
             assert (await sse.next_event())["seq"] == s2
+
+
+async def test_stream_reads_use_at_most_half_the_pool(pod_factory, db):
+    """A wake reaches every stream at once; their reads must not take the whole pool."""
+    from relay_trio.store.offsets import read_stream
+
+    pod = await pod_factory(admin_token=ADMIN, stream_poll=SLOW_POLL, pool_max_size=4)
+    token = await add_listener(db, "alpha")
+    running = 0
+    peak = 0
+    original = pod.db.run
+
+    async def counting_run(op, *args, **kwargs):
+        nonlocal running, peak
+        if op is not read_stream:
+            return await original(op, *args, **kwargs)
+        running += 1
+        peak = max(peak, running)
+        try:
+            await trio.sleep(0.05)  # hold the slot long enough for the others to pile up
+            return await original(op, *args, **kwargs)
+        finally:
+            running -= 1
+
+    pod.db.run = counting_run
+    async with httpx.AsyncClient(base_url=pod.base_url, timeout=30) as client:
+        async with contextlib.AsyncExitStack() as stack:
+            streams = [
+                await stack.enter_async_context(open_sse(client, "/listeners/alpha/stream", headers=auth(token)))
+                for _ in range(6)
+            ]
+            seq = await publish(db, "e1", ["alpha"])
+            for sse in streams:
+                assert (await sse.next_event())["seq"] == seq
+    assert 1 <= peak <= 2

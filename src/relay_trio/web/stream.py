@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
-from quart import Blueprint, jsonify, make_response, request
+from quart import Blueprint, current_app, jsonify, make_response, request
 
 from relay_trio import channels
 from relay_trio.db import DatabaseUnavailable
@@ -160,7 +160,20 @@ def subscribe_events(p: Pod) -> Any:
         return None
 
 
-async def event_stream(p: Pod, name: str, cursor: int) -> AsyncIterator[bytes]:
+def stream_read_limiter() -> trio.CapacityLimiter:
+    """One per app: at most half the pool serves stream reads at a time.
+
+    A NOTIFY wakes every open stream at once; without a bound, N streams would queue N
+    acquires on the pool and intake would answer 503 (pool busy) during the burst.
+    """
+    limiter = current_app.extensions.get("relay_stream_reads")
+    if limiter is None:
+        limiter = trio.CapacityLimiter(max(1, pod().settings.pool_max_size // 2))
+        current_app.extensions["relay_stream_reads"] = limiter
+    return limiter
+
+
+async def event_stream(p: Pod, name: str, cursor: int, limiter: trio.CapacityLimiter) -> AsyncIterator[bytes]:
     """The SSE body. Cleanup is synchronous: it may run while the request is cancelled."""
     sub = subscribe_events(p)
     p.metrics.streams_open.inc()
@@ -171,7 +184,8 @@ async def event_stream(p: Pod, name: str, cursor: int) -> AsyncIterator[bytes]:
         next_ping = trio.current_time() + settings.stream_heartbeat
         while not p.shutting_down.is_set():
             try:
-                events = await p.db.run(read_stream, name, cursor, STREAM_BATCH)
+                async with limiter:
+                    events = await p.db.run(read_stream, name, cursor, STREAM_BATCH)
             except DatabaseUnavailable as exc:
                 # Keep the connection: the cursor has not moved, the next read catches up.
                 log.warning("stream read failed: %s", exc, extra={"listener": name})
@@ -203,7 +217,7 @@ async def stream(name: str):
     if p.shutting_down.is_set():
         raise ApiError(503, "shutting_down", "this pod is shutting down; reconnect", {"Retry-After": "1"})
     cursor = await starting_cursor(p, name)
-    response = await make_response(event_stream(p, name, cursor))
+    response = await make_response(event_stream(p, name, cursor, stream_read_limiter()))
     response.headers["Content-Type"] = "text/event-stream; charset=utf-8"
     response.headers["Cache-Control"] = "no-cache"
     response.headers["X-Accel-Buffering"] = "no"
