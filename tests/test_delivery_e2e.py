@@ -7,7 +7,7 @@ import httpx
 import trio
 from standardwebhooks import Webhook
 
-from delivery_support import RecordingServer
+from delivery_support import RecordingServer, fetch
 
 ADMIN = {"Authorization": "Bearer admin-t"}
 
@@ -76,3 +76,27 @@ async def test_failing_listener_is_retried_dead_lettered_and_redelivered(pod_fac
         with trio.fail_after(10):
             while (await client.get(f"/deliveries/{did}", headers=ADMIN)).json()["status"] != "delivered":
                 await trio.sleep(0.05)
+
+
+async def test_shutdown_hook_releases_the_lease_of_a_stalled_delivery(pod_factory, nursery, db, caplog):
+    server = RecordingServer(lambda p, h, b: None)  # never answers
+    hook = await server.start(nursery) + "/hook"
+    pod = await pod_factory(admin_token="admin-t", target_deny_cidrs="", delivery_timeout=60, shutdown_grace=0.3)
+    async with httpx.AsyncClient(base_url=pod.base_url) as client:
+        assert (await client.put("/listeners/bot", json={"url": hook}, headers=ADMIN)).status_code == 201
+        resp = await client.post("/events", json={"channel": "c", "author": "a", "content": "x", "mentions": ["bot"]})
+        did = resp.json()["deliveries"][0]["delivery_id"]
+    with trio.fail_after(10):
+        await server.got_request.wait()
+    [row] = await fetch(db, "SELECT lease_owner FROM deliveries WHERE id=$1", did)
+    assert row["lease_owner"] == pod.pod_id
+    caplog.set_level("INFO", logger="relay_trio.delivery.loop")
+    pod.shutting_down.set()  # service.graceful_shutdown calls pod.delivery.shutdown(grace)
+    with trio.fail_after(15):
+        while (await fetch(db, "SELECT lease_owner FROM deliveries WHERE id=$1", did))[0]["lease_owner"] is not None:
+            await trio.sleep(0.05)
+    [row] = await fetch(db, "SELECT status, lease_until, lease_token, attempts FROM deliveries WHERE id=$1", did)
+    assert row == {"status": "pending", "lease_until": None, "lease_token": None, "attempts": 1}
+    # Released by the delivery loop's own hook (fencing-checked), not only by a safety net.
+    assert any(r.name == "relay_trio.delivery.loop" and r.getMessage() == "released 1 leases at shutdown"
+               for r in caplog.records)
