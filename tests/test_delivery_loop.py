@@ -8,6 +8,7 @@ listener until a gate opens. No database, no sockets: timing assertions use trio
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from datetime import datetime, timezone
 
@@ -319,4 +320,50 @@ async def test_shutdown_stops_claiming_waits_the_grace_then_releases(autojump_cl
         await trio.sleep(5)
         assert len(store.claim_log) == claims_before  # no claim after shutdown began
         assert 3 not in store.delivered_at
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_busy_listener_is_claimed_again_as_its_slots_free_not_at_the_next_poll(autojump_clock):
+    sender = FakeSender(latency=0.01)
+    store = FakeStore()
+    async with trio.open_nursery() as nursery:
+        await start_loop(nursery, store, sender)
+        await trio.sleep(10)  # idle poll interval: 2 s
+        for i in range(1, 31):
+            store.add(i, "bot")  # 30 rows, one listener, budget 5 of 10 slots
+        await store.wait_delivered(*range(1, 31))
+        first_claim = min(t for path, t, n in store.claim_log if n)
+        assert max(store.delivered_at.values()) - first_claim < 0.25  # well before the next poll
+        assert sender.max_per_listener["bot"] == 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_metrics_claims_wake_misses_in_flight_and_outcomes(autojump_clock):
+    from relay_trio.metrics import Metrics
+
+    metrics = Metrics()
+    sender = FakeSender()
+    store = FakeStore()
+    orig = store._claim
+
+    def overdue_claim(*args, **kwargs):
+        return [dataclasses.replace(r, overdue_seconds=30.0, age_seconds=30.0) for r in orig(*args, **kwargs)]
+
+    store._claim = overdue_claim
+    send, recv = trio.open_memory_channel[int](10)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(run_delivery_loop, store, sender, CFG, handoff=recv, metrics=metrics))
+        store.add(1)
+        send.send_nowait(1)
+        await store.wait_delivered(1)
+        store.add(2)
+        await store.wait_delivered(2)
+        await trio.sleep(0.1)
+        value = lambda name, **labels: metrics.registry.get_sample_value(name, labels)  # noqa: E731
+        assert value("relay_claims_total", path="handoff") == 1
+        assert value("relay_claims_total", path="poll") == 1
+        assert value("relay_wake_misses_total") == 1  # only the poll-claimed overdue row
+        assert value("relay_deliveries_total", outcome="delivered") == 2
+        assert value("relay_deliveries_in_flight") == 0
+        assert value("relay_commit_to_claim_seconds_count", path="handoff") == 1
         nursery.cancel_scope.cancel()

@@ -223,18 +223,21 @@ class DeliveryLoop:
             if not taken:
                 self._backlog = True
                 break
+            budgets = self._budgets()
             try:
-                rows = await self._claim(
-                    self.store.claim_due, len(taken), self._budgets(), self.config.per_listener, via=path
-                )
+                rows = await self._claim(self.store.claim_due, len(taken), budgets, self.config.per_listener, via=path)
             except Exception:
                 log.exception("claim_due failed; the next poll retries")
                 rows = []
             self.counts[f"claim_due_{path}"] += 1
             self._start_all(rows, taken, path)
             found += len(rows)
-            self._backlog = len(rows) == len(taken)
-            if not self._backlog:
+            per = collections.Counter(row.listener for row in rows)
+            # A listener that used its whole budget may have more due rows: claim again as
+            # soon as one of its deliveries frees a slot, not at the next poll.
+            capped = any(n >= budgets.get(name, self.config.per_listener) for name, n in per.items())
+            self._backlog = len(rows) == len(taken) or capped
+            if len(rows) < len(taken):
                 break
         return found
 
