@@ -88,23 +88,35 @@ class Listener:
         self.port = int(line.split()[1])
         self.base = f"http://127.0.0.1:{self.port}"
         self._conn = Conn("127.0.0.1", self.port)
+        self._lock: asyncio.Lock | None = None  # one control request at a time (shared by concurrent rows)
         self.cursor = 0
+
+    async def _control(self, method: str, path: str):
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            try:
+                status, doc, *_ = await self._conn.request(method, path)
+            except BaseException:
+                await self._conn.close()
+                raise
+        if status != 200 or not isinstance(doc, dict):
+            raise RuntimeError(f"listener control {path} -> {status}")
+        return doc
 
     def url(self, name: str, stall: bool = False) -> str:
         return f"{self.base}/{'stall' if stall else 'l'}/{name}"
 
     async def reset(self) -> None:
-        await self._conn.request("POST", "/__reset")
+        await self._control("POST", "/__reset")
         self.cursor = 0
 
     async def records(self) -> list[list]:
         """All records since the last reset: [arrival_ns, listener, event_id, webhook_id]."""
-        status, doc, *_ = await self._conn.request("GET", "/__records?since=0")
-        return doc["records"]
+        return (await self._control("GET", "/__records?since=0"))["records"]
 
     async def count(self) -> int:
-        status, doc, *_ = await self._conn.request("GET", f"/__records?since={10**12}")
-        return doc["n"]
+        return (await self._control("GET", f"/__records?since={10**12}"))["n"]
 
     async def wait_for(self, n: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout

@@ -115,6 +115,22 @@ async def produce_for(conns: list[Conn], sent: Sent, seconds: float, prefix: str
     await asyncio.gather(*(one(p, c) for p, c in enumerate(conns)))
 
 
+FANOUT = 10  # listeners per throughput scenario (see register_many)
+
+
+async def register_many(pod: Pod, listener: Listener, prefix: str, n: int = FANOUT) -> list[str]:
+    """n listener names, all served by the fast listener.
+
+    Why several: a pod gives one listener at most RELAY_LISTENER_SHARE (default half) of
+    its RELAY_MAX_IN_FLIGHT slots, so a one-listener benchmark would measure that cap, not
+    the relay. Events mention one of these at random; the peers' single queue with worker
+    concurrency 10 is the equivalent."""
+    names = [f"{prefix}-agent{k}" for k in range(n)]
+    for name in names:
+        await register(pod, name, listener.url(name))
+    return names
+
+
 async def close_all(conns: list[Conn]) -> None:
     for c in conns:
         await c.close()
@@ -171,15 +187,14 @@ async def throughput(cluster: Cluster, listener: Listener, dbname: str, producer
         specs = [(f"{dbname}-{k}", dsn, dict(notify_mode=notify_mode)) for k in range(pods_n)]
     pods = await start_pods(specs)
     try:
-        lname = f"{dbname}-agent"
-        await register(pods[0], lname, listener.url(lname))
+        names = await register_many(pods[0], listener, dbname)
         await asyncio.sleep(1.2)
         await listener.reset()
         targets = [pods[0]] if cross_pod else pods
         conns = [Conn("127.0.0.1", targets[p % len(targets)].port) for p in range(producers)]
         sent = Sent()
         t0 = time.time_ns()
-        await produce_for(conns, sent, seconds, dbname, lambda rng: lname)
+        await produce_for(conns, sent, seconds, dbname, lambda rng: rng.choice(names))
         t_stop = time.time_ns()
         await close_all(conns)
         await listener.wait_for(len(sent.done), drain)
@@ -206,13 +221,12 @@ async def burst(cluster: Cluster, listener: Listener, n: int, producers: int = 1
     dsn = await asyncio.to_thread(cluster.new_database, "s4_burst")
     pods = await start_pods([("s4-burst", dsn, {})])
     try:
-        lname = "s4-agent"
-        await register(pods[0], lname, listener.url(lname))
+        names = await register_many(pods[0], listener, "s4")
         await asyncio.sleep(1.0)
         await listener.reset()
         conns = [Conn("127.0.0.1", pods[0].port) for _ in range(producers)]
         sent = Sent()
-        await produce_for(conns, sent, 120.0, "s4", lambda rng: lname, max_events=n)
+        await produce_for(conns, sent, 120.0, "s4", lambda rng: rng.choice(names), max_events=n)
         await close_all(conns)
         await listener.wait_for(len(sent.done), drain)
         await listener.wait_quiet(3.0, quiet=1.0)
@@ -272,8 +286,7 @@ async def memory(cluster: Cluster, listener: Listener, checkpoints: list[int], p
     pods = await start_pods([("s7-memory", dsn, {})])
     pod = pods[0]
     try:
-        lname = "s7-agent"
-        await register(pod, lname, listener.url(lname))
+        names = await register_many(pod, listener, "s7")
         await asyncio.sleep(1.0)
         await listener.reset()
         rss: dict[int, int] = {}
@@ -283,9 +296,9 @@ async def memory(cluster: Cluster, listener: Listener, checkpoints: list[int], p
         t0 = time.monotonic()
         done = 0
         for cp in checkpoints:
-            await produce_for(conns, sent, 3600.0, f"s7-{cp}", lambda rng: lname, max_events=cp - done)
+            await produce_for(conns, sent, 3600.0, f"s7-{cp}", lambda rng: rng.choice(names), max_events=cp - done)
             done = len(sent.done)
-            await listener.wait_for(done, 60.0)
+            await listener.wait_for(done, 120.0)
             await asyncio.sleep(1.0)
             rss[cp] = pod.rss_kib()
             samples.append((done, rss[cp], time.monotonic() - t0))
