@@ -159,3 +159,13 @@ async def test_listener_backed_off_after_threshold_and_reset_by_one_success(db):
     assert (await store.settle(ok, result(model.DELIVERED, 200))).result == "delivered"
     [ls] = await fetch(db, "SELECT consecutive_failures, backoff_level, paused_until FROM listeners")
     assert ls == {"consecutive_failures": 0, "backoff_level": 0, "paused_until": None}
+
+
+async def test_nul_bytes_in_a_response_body_or_error_still_settle(db):
+    await add_listener(db, "bot")
+    [rid] = await add_rows(db, ["bot"])
+    store = PgDeliveryStore(db, settings(), "pod-a")
+    settled = await store.settle(await claim_one(store), result(model.HTTP_ERROR, 500, body="a\x00b", error="e\x00"))
+    assert settled.result == "retried"
+    [a] = await fetch(db, "SELECT response_body, error FROM delivery_attempts WHERE delivery_id=$1", rid)
+    assert a == {"response_body": "a\ufffdb", "error": "e\ufffd"}

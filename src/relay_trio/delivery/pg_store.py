@@ -43,6 +43,10 @@ def row_from_record(rec: asyncpg.Record) -> model.ClaimedRow:
     )
 
 
+def _text(value: str | None) -> str | None:
+    return None if value is None else value.replace("\x00", "\ufffd")
+
+
 class PgDeliveryStore:
     def __init__(self, db: Database, settings: Settings, pod_id: str):
         self.db = db
@@ -76,6 +80,8 @@ class PgDeliveryStore:
         return [row_from_record(r) for r in await self.db.run(claims.claim_due, spec)]
 
     def _attempt(self, row: model.ClaimedRow, result: model.AttemptResult) -> claims.AttemptRecord:
+        # PostgreSQL text cannot hold NUL: a hostile response body must not make the
+        # settlement fail (the row would then wait for its lease instead of its schedule).
         return claims.AttemptRecord(
             delivery_id=row.id,
             attempt=row.attempt,
@@ -84,8 +90,8 @@ class PgDeliveryStore:
             duration_ms=result.duration_ms,
             outcome=result.outcome,
             status_code=result.status_code,
-            error=result.error,
-            response_body=result.response_body,
+            error=_text(result.error),
+            response_body=_text(result.response_body),
         )
 
     def retry_delay_for(self, row: model.ClaimedRow, result: model.AttemptResult) -> float:
