@@ -122,3 +122,16 @@ async def test_mentions_collapse_and_order_follows_the_mentions(db, database_url
     assert [d["listener"] for d in result.body["deliveries"]] == ["zed", "amy"]
     assert await fetchval(db, "SELECT count(*) FROM deliveries") == 2
     assert await fetchval(db, "SELECT mentions FROM events") == ["zed", "amy"]
+
+
+async def test_notify_tx_refuses_what_postgres_would_refuse_before_sending(db):
+    from relay_trio.store.events import NotifyPayloadError, notify_tx
+
+    async def send(conn, channel, payload):
+        await notify_tx(conn, channel, payload)
+        return await conn.fetchval("SELECT 1")  # the transaction is still usable
+
+    assert await db.run_tx(send, channels.OUTBOX, "é" * 3999 + "x") == 1  # 7999 bytes
+    for channel, payload in ((channels.OUTBOX, "é" * 4000), ("c" * 64, "x")):  # 8000 bytes; 64-byte channel
+        with pytest.raises(NotifyPayloadError):
+            await db.run_tx(send, channel, payload)
