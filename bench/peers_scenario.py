@@ -96,8 +96,8 @@ async def run(run, cluster, listener, log) -> str:
     if not ok:
         return f"The peers could not be installed here: `{why}`"
     versions = await asyncio.to_thread(infra.peer_versions)
-    count = 4 if run.quick else 20
-    seconds = 3 if run.quick else 20
+    count = 3 if run.quick else 20
+    seconds = 2 if run.quick else 20
     producer_counts = (10,) if run.quick else (10, 32)
     notes: list[str] = []
 

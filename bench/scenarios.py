@@ -136,6 +136,34 @@ async def close_all(conns: list[Conn]) -> None:
         await c.close()
 
 
+async def stage_means(pod: Pod) -> dict[str, float]:
+    """Mean commit->claim (per path) and commit->delivered, ms, from the pod's /metrics
+    histograms (measured inside the pod against the row's created_at: the in-pod part of the
+    latency)."""
+    c = Conn("127.0.0.1", pod.port)
+    try:
+        status, text, *_ = await c.request("GET", "/metrics")
+    except OSError:
+        return {}
+    finally:
+        await c.close()
+    if status != 200 or not isinstance(text, (bytes, str)):
+        return {}
+    if isinstance(text, bytes):
+        text = text.decode()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        for metric, label in (("relay_commit_to_claim_seconds", "claim"), ("relay_commit_to_delivered_seconds", "delivered")):
+            for kind, store in (("_sum", sums), ("_count", counts)):
+                if line.startswith(metric + kind):
+                    key = label
+                    if 'path="' in line:
+                        key += ":" + line.split('path="', 1)[1].split('"', 1)[0]
+                    store[key] = float(line.rsplit(" ", 1)[1])
+    return {k: sums[k] / counts[k] * 1000 for k in sums if counts.get(k)}
+
+
 # -- scenario 1 ------------------------------------------------------------------------------
 async def seed_latency(cluster: Cluster, listener: Listener, count: int, gap: tuple[float, float], log) -> dict:
     """Three rows at once, each on its own database with its own random schedule."""
@@ -168,7 +196,7 @@ async def seed_latency(cluster: Cluster, listener: Listener, count: int, gap: tu
             await conn.close()
             await asyncio.sleep(2.5)  # the poll-only row waits up to the idle ceiling
             results[label] = join(sent, await listener.records())
-            results[label].sent = sent  # type: ignore[attr-defined]
+            results[label].breakdown = await stage_means(pods[-1])  # type: ignore[attr-defined]
         finally:
             stop_pods(pods)
 
@@ -281,7 +309,8 @@ async def head_of_line(cluster: Cluster, listener: Listener, seconds: float, rat
 
 
 # -- scenario 7 ---------------------------------------------------------------------------------------
-async def memory(cluster: Cluster, listener: Listener, checkpoints: list[int], producers: int = 8, log=print) -> dict:
+async def memory(cluster: Cluster, listener: Listener, checkpoints: list[int], producers: int = 8, log=print,
+                 rate: float | None = None) -> dict:
     dsn = await asyncio.to_thread(cluster.new_database, "s7_memory")
     pods = await start_pods([("s7-memory", dsn, {})])
     pod = pods[0]
@@ -296,7 +325,8 @@ async def memory(cluster: Cluster, listener: Listener, checkpoints: list[int], p
         t0 = time.monotonic()
         done = 0
         for cp in checkpoints:
-            await produce_for(conns, sent, 3600.0, f"s7-{cp}", lambda rng: rng.choice(names), max_events=cp - done)
+            await produce_for(conns, sent, 3600.0, f"s7-{cp}", lambda rng: rng.choice(names), max_events=cp - done,
+                              rate=rate)
             done = len(sent.done)
             await listener.wait_for(done, 120.0)
             await asyncio.sleep(1.0)
