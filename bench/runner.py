@@ -248,6 +248,78 @@ def _errs(e: dict) -> str:
     return ", ".join(f"{k}:{v}" for k, v in sorted(e.items())) or "0"
 
 
+def _merged_summaries() -> dict:
+    merged: dict = {}
+    for n in TITLES:
+        f = SECTIONS / f"s{n}.json"
+        if f.exists():
+            try:
+                data = json.loads(f.read_text())
+            except ValueError:
+                continue
+            if f"s{n}" in data:
+                merged[f"s{n}"] = data[f"s{n}"]
+    return merged
+
+
+def _num(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def targets_at_a_glance() -> str:
+    """Every target of the issue with the newest measured value (from each scenario's JSON)."""
+    m = _merged_summaries()
+    rows = []
+    s1 = m.get("s1", {})
+    ho = s1.get("same-pod hand-off", {})
+    xp = s1.get("cross-pod NOTIFY (saved on A, routed by B)", {})
+    for label, v, bound in (("1. hand-off median <= 1.5 ms", ho.get("p50"), 1.5), ("1. hand-off p90 <= 2.5 ms", ho.get("p90"), 2.5),
+                            ("1. hand-off max <= 10 ms", ho.get("max"), 10), ("1. cross-pod median <= 2.5 ms", xp.get("p50"), 2.5)):
+        rows.append([label, fmt(_num(v)) + " ms", verdict(_le(_num(v), bound))])
+    s3 = m.get("s3", {})
+    if s3:
+        off, co, itx = (_num(s3.get(k, {}).get("accepted_per_s")) for k in ("off", "coalesced", "in-tx"))
+        rows.append(["3. coalesced accepted/s within 10 % of off", f"{fmt(co)} vs {fmt(off)} ({_ratio(co, off)})",
+                     verdict(None if math.isnan(co) or math.isnan(off) else co >= 0.9 * off)])
+        rows.append(["3. what in-tx costs", f"{fmt(itx)}/s vs off {fmt(off)}/s; accept p99 "
+                     f"{fmt(_num(s3.get('in-tx', {}).get('accept_p99')))} vs {fmt(_num(s3.get('off', {}).get('accept_p99')))} ms", "info"])
+    s4 = m.get("s4", {})
+    if s4:
+        rows.append(["4. burst of 1,000: all delivered exactly once",
+                     f"last delivery after {fmt(_num(s4.get('last_delivery_s')))} s; lost {s4.get('lost')}, dup {s4.get('duplicates')}",
+                     verdict(s4.get("lost") == 0 and s4.get("duplicates") == 0)])
+    s5 = m.get("s5", {})
+    if s5:
+        a, b = _num(s5.get("stalled", {}).get("p99")), _num(s5.get("baseline", {}).get("p99"))
+        rows.append(["5. healthy p99 with a stalled listener <= 2x without", f"{fmt(a)} vs {fmt(b)} ms ({_ratio(a, b)})",
+                     verdict(None if math.isnan(a) or math.isnan(b) else a <= 2 * b)])
+    s7 = m.get("s7", {})
+    if s7.get("rss_kib"):
+        ks = sorted(s7["rss_kib"], key=lambda k: int(k))
+        a, b = _num(s7["rss_kib"][ks[0]]), _num(s7["rss_kib"][ks[-1]])
+        rows.append([f"7. RSS after {int(ks[-1]):,} events within 20 % of after {int(ks[0]):,}",
+                     f"{b / 1024:.1f} vs {a / 1024:.1f} MiB ({_ratio(b, a)})", verdict(b <= 1.2 * a)])
+    s8 = m.get("s8", {})
+    if s8:
+        lat = s8.get("latency", {})
+        best = min((_num(v.get("p50")) for v in lat.values()), default=math.nan)
+        rv = _num(ho.get("p50"))
+        rows.append(["8. relay median latency <= half the best peer's", f"{fmt(rv)} vs best peer {fmt(best)} ms",
+                     verdict(None if math.isnan(rv) or math.isnan(best) else rv <= best / 2)])
+        thr = s8.get("throughput", {})
+        s2 = m.get("s2", {})
+        for producers in (10, 32):
+            peers = [_num(v.get("delivered_per_s_overall")) for k, v in thr.items() if k.endswith(f"/{producers}")]
+            relay = _num(s2.get(f"1/{producers}", {}).get("delivered_per_s_overall"))
+            if peers and not math.isnan(relay):
+                rows.append([f"8. relay deliveries/s >= best peer's ({producers} producers, 1 pod)",
+                             f"{fmt(relay)} vs {fmt(max(peers))}", verdict(relay >= max(peers))])
+    return "## Targets at a glance\n\n" + table(["target", "measured", "verdict"], rows) + "\n"
+
+
 def header(info: dict, quick: bool, argv: list[str]) -> str:
     return (
         "# relay-trio benchmark results\n\n"
@@ -292,7 +364,7 @@ async def amain(args) -> int:
     finally:
         listener.stop()
         await asyncio.to_thread(cluster.stop)
-    parts = [header(info, args.quick, sys.argv)]
+    parts = [header(info, args.quick, sys.argv), targets_at_a_glance()]
     for n in TITLES:
         f = SECTIONS / f"s{n}.md"
         if f.exists():
