@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import trio
 
 from relay_trio import channels
+from relay_trio.db import DatabaseUnavailable
 from relay_trio.delivery import model
 
 log = logging.getLogger("relay_trio.delivery.loop")
@@ -226,6 +227,9 @@ class DeliveryLoop:
             budgets = self._budgets()
             try:
                 rows = await self._claim(self.store.claim_due, len(taken), budgets, self.config.per_listener, via=path)
+            except DatabaseUnavailable as exc:
+                log.warning("claim_due failed: %s; the next poll retries", exc)
+                rows = []
             except Exception:
                 log.exception("claim_due failed; the next poll retries")
                 rows = []
@@ -275,6 +279,9 @@ class DeliveryLoop:
             ids, carry = carry[: len(taken)], carry[len(taken):]
             try:
                 rows = await self._claim(self.store.claim_by_id, ids, len(ids), self._budgets(), self.config.per_listener)
+            except DatabaseUnavailable as exc:
+                log.warning("claim_by_id failed: %s; the poll will find the rows", exc, extra={"delivery_ids": ids})
+                rows = []
             except Exception:
                 log.exception("claim_by_id failed; the poll will find the rows", extra={"delivery_ids": ids})
                 rows = []
@@ -342,8 +349,12 @@ class DeliveryLoop:
                 level, "delivery %s: %s (%s)", settled.result, result.outcome, result.error or result.status_code,
                 extra={**extra, "attempt": row.attempt, "outcome": result.outcome, "status_code": result.status_code},
             )
+        except DatabaseUnavailable as exc:
+            # The lease expires and the row is claimed again (at least once).
+            self.outstanding.pop(row.id, None)
+            log.warning("delivery not settled: %s; its lease will expire", exc, extra=extra)
         except Exception:
-            # The lease expires and the row is claimed again; never take the loop down.
+            # Never take the loop down; the lease expires and the row is claimed again.
             self.outstanding.pop(row.id, None)
             log.exception("delivery failed to settle; its lease will expire", extra=extra)
         finally:
