@@ -63,8 +63,10 @@ class Run:
         stages = []
         for label, out in res.items():
             b = getattr(out, "breakdown", {}) or {}
+            st = getattr(out, "stages", {}) or {}
             stages.append([label] + [", ".join(f"{k} {v:.2f}" for k, v in sorted(b.items()) if k.startswith("claim")) or "-",
-                                     fmt(b.get("delivered"))])
+                                     fmt(b.get("delivered")), fmt(st.get("insert->claim")), fmt(st.get("claim->arrival")),
+                                     fmt(st.get("arrival->settled"))])
         targets = [
             ["hand-off median <= 1.5 ms", fmt(ho.get("p50")), verdict(_le(ho.get("p50"), 1.5))],
             ["hand-off p90 <= 2.5 ms", fmt(ho.get("p90")), verdict(_le(ho.get("p90"), 2.5))],
@@ -77,9 +79,11 @@ class Run:
             "Latency: POST /events response read -> listener arrival, ms. Reference system: 684-871 ms poll-only, "
             "3.0 ms hand-off, 1.9 ms NOTIFY.\n\n"
             + table(["path", "n", "median ms", "p90 ms", "max ms", "lost", "dup"], rows)
-            + "\n\nWhere the time goes inside the delivering pod (means from its /metrics histograms, ms, measured "
-            "from the outbox row's commit timestamp):\n\n"
-            + table(["path", "commit -> claim (by claim path)", "commit -> delivered"], stages)
+            + "\n\nWhere the time goes: means from the delivering pod's /metrics histograms (commit -> claim by claim "
+            "path, commit -> delivered), and medians joining each outbox row's timestamps (created_at, claimed_at, "
+            "delivered_at; database clock, same host) with the listener's arrival stamp, ms:\n\n"
+            + table(["path", "mean commit -> claim (by claim path)", "mean commit -> delivered", "median insert -> claim",
+                     "median claim -> listener arrival", "median arrival -> settled"], stages)
             + "\n\n" + table(["target", "measured", "verdict"], targets)
         )
 

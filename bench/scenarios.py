@@ -164,6 +164,35 @@ async def stage_means(pod: Pod) -> dict[str, float]:
     return {k: sums[k] / counts[k] * 1000 for k in sums if counts.get(k)}
 
 
+async def db_stages(dsn: str, records: list[list]) -> dict[str, float]:
+    """Median per-stage times, ms, joining the outbox rows' own timestamps (database clock,
+    same host) with the listener's arrival stamps: insert -> claim -> listener arrival ->
+    settled. created_at is clock_timestamp() at the row insert, just before COMMIT."""
+    import asyncpg
+
+    arrivals = {eid: a for a, _l, eid, _w in records}
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT e.id, extract(epoch FROM d.created_at) AS c, extract(epoch FROM d.claimed_at) AS k, "
+            "extract(epoch FROM d.delivered_at) AS s, d.claimed_via AS via FROM deliveries d JOIN events e ON e.seq = d.event_seq"
+        )
+    finally:
+        await conn.close()
+    ins_claim, claim_arr, arr_settled = [], [], []
+    for r in rows:
+        a = arrivals.get(r["id"])
+        if a is None or r["k"] is None:
+            continue
+        c, k = float(r["c"]) * 1000, float(r["k"]) * 1000
+        ins_claim.append(k - c)
+        claim_arr.append(a / 1e6 - k)
+        if r["s"] is not None:
+            arr_settled.append(float(r["s"]) * 1000 - a / 1e6)
+    return {"insert->claim": pct(ins_claim, 50), "claim->arrival": pct(claim_arr, 50),
+            "arrival->settled": pct(arr_settled, 50)}
+
+
 # -- scenario 1 ------------------------------------------------------------------------------
 async def seed_latency(cluster: Cluster, listener: Listener, count: int, gap: tuple[float, float], log) -> dict:
     """Three rows at once, each on its own database with its own random schedule."""
@@ -197,6 +226,7 @@ async def seed_latency(cluster: Cluster, listener: Listener, count: int, gap: tu
             await asyncio.sleep(2.5)  # the poll-only row waits up to the idle ceiling
             results[label] = join(sent, await listener.records())
             results[label].breakdown = await stage_means(pods[-1])  # type: ignore[attr-defined]
+            results[label].stages = await db_stages(dsn, await listener.records())  # type: ignore[attr-defined]
         finally:
             stop_pods(pods)
 
