@@ -133,6 +133,21 @@ def empty_database_url(pg_server: PgServer) -> Iterator[str]:
 
 
 @pytest.fixture
+def cluster_dir() -> Iterator[Path]:
+    """A scratch directory for a dedicated EmbeddedPostgres cluster.
+
+    Not under pytest's tmp_path: pytest resets /tmp/pytest-of-<user> to mode 0700 at every
+    session start, which would lock the unprivileged server user (when root) out of a
+    cluster that lives below it while another pytest session starts.
+    """
+    path = Path(tempfile.mkdtemp(prefix="relay-cluster-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
 async def aio_loop() -> AsyncIterator[asyncio.AbstractEventLoop]:
     async with open_asyncio_loop() as loop:
         yield loop

@@ -35,8 +35,8 @@ def test_missing_binaries_give_a_one_paragraph_error(monkeypatch):
     assert "\n" not in message
 
 
-def test_cluster_lifecycle_reuse_and_stale_pid(tmp_path):
-    data = tmp_path / "pg"
+def test_cluster_lifecycle_reuse_and_stale_pid(cluster_dir):
+    data = cluster_dir / "pg"
     first = EmbeddedPostgres(data, for_tests=True)
     first.start()
     try:
@@ -71,17 +71,17 @@ def test_as_root_the_server_runs_as_an_unprivileged_user(pg_server):
     assert os.stat(f"/proc/{pid}").st_uid != 0
 
 
-def test_serve_with_no_configuration_starts_embedded_postgres(tmp_path):
+def test_serve_with_no_configuration_starts_embedded_postgres(cluster_dir):
     """The README's first command in miniature: serve on the embedded default, /readyz 200,
     SIGTERM exits 0 and stops the cluster it started."""
     port = free_port()
-    data_dir = tmp_path / "relay" / "pg"
+    data_dir = cluster_dir / "relay" / "pg"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env.update({"RELAY_DATA_DIR": str(data_dir), "RELAY_BIND": f"127.0.0.1:{port}", "RELAY_LOG_FORMAT": "console"})
     proc = subprocess.Popen(
         [sys.executable, "-m", "relay_trio", "serve"],
         env=env,
-        cwd=tmp_path,
+        cwd=cluster_dir,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
