@@ -192,3 +192,27 @@ async def test_proxy_environment_is_ignored(server, monkeypatch):
         resp = await client.get(f"http://127.0.0.1:{server.port}/direct")
     assert resp.status_code == 200
     assert server.requests[0]["path"] == "/direct"
+
+
+# ------------------------------------------------------------------------------------------
+# End to end: a pod refuses a denied target and records why
+# ------------------------------------------------------------------------------------------
+async def test_pod_records_a_refused_target_as_the_attempt_error(pod_factory, db, server):
+    """Loopback is denied here (as 169.254.0.0/16 is by default): the row is retried, never
+    delivered, the listener sees no connection, and the attempt says why."""
+    pod = await pod_factory(target_deny_cidrs="127.0.0.0/8", retry_base=0.2, retry_cap=0.5, poll_min=0.05, poll_max=0.2)
+    async with httpx.AsyncClient(base_url=pod.base_url) as client:
+        resp = await client.put("/listeners/meta", json={"url": f"http://127.0.0.1:{server.port}/hook"})
+        assert resp.status_code == 201, resp.text
+        await trio.sleep(0.3)  # registry cache
+        resp = await client.post("/events", json={"channel": "c", "author": "a", "content": "x", "mentions": ["meta"]})
+        assert resp.status_code == 202, resp.text
+
+    async def attempts(conn):
+        return await conn.fetch("SELECT outcome, error FROM delivery_attempts ORDER BY id")
+
+    with trio.fail_after(20):
+        while len(rows := await db.run(attempts)) < 2:
+            await trio.sleep(0.05)
+    assert all(r["outcome"] != "delivered" and "refused" in r["error"] and "127.0.0.0/8" in r["error"] for r in rows), rows
+    assert server.connections == 0
