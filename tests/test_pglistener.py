@@ -181,3 +181,19 @@ async def test_component_disabled_sets_nothing(pod_factory):
     pod = await pod_factory(listen_enabled=False)
     assert pod.pglistener is None
     assert pod.tasks_alive["pglistener"] is True
+
+
+async def test_concurrent_heartbeats_late_listens_and_notifies_share_the_connection(db, database_url, settings_factory):
+    settings = settings_factory(heartbeat_interval=0.005, heartbeat_timeout=2.0)
+    async with running_listener(database_url, settings) as listener:
+        subs = []
+        async with trio.open_nursery() as nursery:
+            for i in range(15):
+                subs.append(listener.subscribe(f"t_many_{i}"))
+                nursery.start_soon(listener.notify, "t_other", str(i))
+                await trio.sleep(0.003)
+        for sub in subs:
+            assert (await next_wake(sub)).reconnect
+        # asyncpg allows one operation at a time: overlapping ones must queue, not reconnect.
+        assert listener.status()["reconnects"] == 0
+        assert listener.status()["state"] == "connected"

@@ -209,6 +209,9 @@ class PgListener:
         self._listening: set[str] = set()    # channels LISTENed on the current connection
         self._channels_changed = trio.Event()
         self._conn: Any = None
+        # asyncpg runs one operation at a time per connection; the heartbeat, late LISTENs and
+        # notify() share it, and "another operation is in progress" must not look like a loss.
+        self._conn_lock = trio.Lock()
         self._hb_token: str | None = None
         self._hb_arrived = trio.Event()
         self._state = "stopped"
@@ -217,6 +220,7 @@ class PgListener:
         self._rtt: float | None = None
         self._wakes: dict[str, int] = {}
         self._warned_degraded = False
+        self._lost_reason = "terminated by the server"
         self.backend_pid: int | None = None
         self._set_state("stopped")
 
@@ -292,27 +296,31 @@ class PgListener:
         conn = self._conn
         if conn is None:
             raise DatabaseUnavailable("the listener is not connected")
-        await on_connection(conn, listen_ops.notify, channel, payload, timeout=self.settings.db_timeout)
+        async with self._conn_lock:
+            await on_connection(conn, listen_ops.notify, channel, payload, timeout=self.settings.db_timeout)
 
     async def listening_channels(self) -> list[str]:
         """pg_listening_channels() of the listener's backend (tests, diagnostics)."""
         conn = self._conn
         if conn is None:
             raise DatabaseUnavailable("the listener is not connected")
-        return await on_connection(conn, listen_ops.listening_channels, timeout=self.settings.db_timeout)
+        async with self._conn_lock:
+            return await on_connection(conn, listen_ops.listening_channels, timeout=self.settings.db_timeout)
 
     async def _round_trip(self, conn: Any) -> float | None:
-        """NOTIFY ourselves on the heartbeat channel and wait for it; the RTT, or None on a miss."""
+        """NOTIFY ourselves on the heartbeat channel and wait for it; the RTT, or None on a miss.
+
+        A connection that is lost outright raises ``DatabaseUnavailable`` (a reconnect, not a
+        degraded listener).
+        """
         token = uuid.uuid4().hex
         self._hb_token = token
         self._hb_arrived = trio.Event()
         timeout = self.settings.heartbeat_timeout
         start = trio.current_time()
         with trio.move_on_after(timeout):
-            try:
+            async with self._conn_lock:
                 await on_connection(conn, listen_ops.notify, self.heartbeat_channel, token, timeout=timeout + 1)
-            except DatabaseUnavailable:
-                return None
             await self._hb_arrived.wait()
             rtt = trio.current_time() - start
             self._rtt = rtt
@@ -417,8 +425,6 @@ class PgListener:
             self._listening = set()
             await self._close(conn, graceful=not lost.is_set())
 
-    _lost_reason = "terminated by the server"
-
     def _enter_degraded(self, reason: str) -> None:
         """Report (once per episode) that wakes are unavailable; never fail silently."""
         self._set_state("degraded")
@@ -436,7 +442,12 @@ class PgListener:
     async def _heartbeat_loop(self, conn: Any, lost: trio.Event) -> None:
         while True:
             await trio.sleep(self.settings.heartbeat_interval)
-            rtt = await self._round_trip(conn)
+            try:
+                rtt = await self._round_trip(conn)
+            except DatabaseUnavailable as exc:
+                self._lost_reason = f"heartbeat failed: {exc}"
+                lost.set()
+                return
             if rtt is None:
                 self._lost_reason = f"heartbeat missed (no NOTIFY round trip within {self.settings.heartbeat_timeout:.1f}s)"
                 lost.set()
@@ -451,9 +462,10 @@ class PgListener:
             if not new:
                 continue
             try:
-                await on_connection(
-                    conn, listen_ops.listen_channels, sorted(new), self._on_notify, timeout=self.settings.db_timeout
-                )
+                async with self._conn_lock:
+                    await on_connection(
+                        conn, listen_ops.listen_channels, sorted(new), self._on_notify, timeout=self.settings.db_timeout
+                    )
             except DatabaseUnavailable as exc:
                 self._lost_reason = f"LISTEN failed: {exc}"
                 lost.set()
