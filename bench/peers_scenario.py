@@ -163,7 +163,7 @@ async def run(run, cluster, listener, log) -> str:
         + table(["system", "n", "median", "p90", "max", "lost", "dup"], lat_rows)
         + f"\n\n**Throughput** ({seconds} s of back-to-back producers; deliveries/s overall = arrivals / (last arrival - start)):\n\n"
         + table(["system", "producers", "accepted/s", "deliveries/s during", "deliveries/s overall", "p50 ms", "p99 ms",
-                 "lost", "dup"], thr_rows)
+                 "not arrived (60 s drain)", "dup"], thr_rows)
         + "\n\n" + table(["target", "measured", "verdict"], targets)
         + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else "")
     )

@@ -164,6 +164,18 @@ async def stage_means(pod: Pod) -> dict[str, float]:
     return {k: sums[k] / counts[k] * 1000 for k in sums if counts.get(k)}
 
 
+async def outbox_counts(dsn: str) -> dict[str, int]:
+    """Outbox rows by status: tells a backlog still draining (pending) from a loss."""
+    import asyncpg
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT status, count(*) AS n FROM deliveries GROUP BY status")
+    finally:
+        await conn.close()
+    return {r["status"]: r["n"] for r in rows}
+
+
 async def db_stages(dsn: str, records: list[list]) -> dict[str, float]:
     """Median per-stage times, ms, joining the outbox rows' own timestamps (database clock,
     same host) with the listener's arrival stamps: insert -> claim -> listener arrival ->
@@ -236,7 +248,7 @@ async def seed_latency(cluster: Cluster, listener: Listener, count: int, gap: tu
 
 # -- scenario 2 and 3 ------------------------------------------------------------------------------
 async def throughput(cluster: Cluster, listener: Listener, dbname: str, producers: int, pods_n: int, seconds: float,
-                     *, notify_mode: str = "coalesced", cross_pod: bool = False, drain: float = 30.0) -> dict:
+                     *, notify_mode: str = "coalesced", cross_pod: bool = False, drain: float = 90.0) -> dict:
     dsn = await asyncio.to_thread(cluster.new_database, dbname)
     if cross_pod:
         specs = [(f"{dbname}-a", dsn, dict(routes="nobody-here", notify_mode=notify_mode)),
@@ -258,6 +270,7 @@ async def throughput(cluster: Cluster, listener: Listener, dbname: str, producer
         await listener.wait_for(len(sent.done), drain)
         await listener.wait_quiet(3.0, quiet=1.0)
         out = join(sent, await listener.records())
+        outbox = await outbox_counts(dsn)
         window = (t_stop - t0) / 1e9
         during = sum(1 for a in out.arrival_ns if a <= t_stop)
         accept = [v[1] for v in sent.done.values()]
@@ -269,6 +282,7 @@ async def throughput(cluster: Cluster, listener: Listener, dbname: str, producer
             "lat_p50": pct(out.latencies_ms, 50), "lat_p99": pct(out.latencies_ms, 99),
             "accept_p50": pct(accept, 50), "accept_p99": pct(accept, 99),
             "lost": out.lost, "duplicates": out.duplicates, "arrivals": out.arrivals,
+            "still_pending": outbox.get("pending", 0), "dead": outbox.get("dead", 0),
         }
     finally:
         stop_pods(pods)
@@ -365,7 +379,8 @@ async def memory(cluster: Cluster, listener: Listener, checkpoints: list[int], p
             log(f"  memory: {done} events accepted, RSS {rss[cp] / 1024:.1f} MiB, {time.monotonic() - t0:.0f}s")
         await close_all(conns)
         out = join(sent, await listener.records())
-        return {"rss_kib": rss, "samples": samples, "lost": out.lost, "duplicates": out.duplicates,
+        outbox = await outbox_counts(dsn)
+        return {"still_pending": outbox.get("pending", 0), "rss_kib": rss, "samples": samples, "lost": out.lost, "duplicates": out.duplicates,
                 "lat_p50": pct(out.latencies_ms, 50), "lat_p99": pct(out.latencies_ms, 99),
                 "seconds": time.monotonic() - t0, "accepted": len(sent.done)}
     finally:
