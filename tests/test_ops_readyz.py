@@ -81,6 +81,16 @@ async def _wait_status(client: httpx.AsyncClient, status: int, timeout: float) -
     raise AssertionError(f"/readyz never answered {status} within {timeout}s; last: {last}")
 
 
+def _stop(cluster) -> None:
+    """Stop the dedicated cluster and make sure it is down (diagnostics if not)."""
+    cluster.stop("fast")
+    if cluster.is_running():
+        cluster.stop("immediate")
+    if cluster.is_running():
+        tail = "\n".join(cluster.log_file.read_text(errors="replace").splitlines()[-20:])
+        raise AssertionError(f"the dedicated cluster did not stop:\n{tail}")
+
+
 @pytest.mark.timeout(180)
 async def test_readyz_flips_to_503_when_the_database_stops_and_back_when_it_returns(tmp_path: Path):
     from relay_trio.embedded_pg import EmbeddedPostgres
@@ -93,7 +103,7 @@ async def test_readyz_flips_to_503_when_the_database_stops_and_back_when_it_retu
             pod = await nursery.start(run_pod, settings, settings.database_url)
             async with httpx.AsyncClient(base_url=pod.base_url, timeout=10) as client:
                 await _wait_status(client, 200, 10)
-                await trio.to_thread.run_sync(cluster.stop)
+                await trio.to_thread.run_sync(_stop, cluster)
                 body = await _wait_status(client, 503, 20)
                 assert body["error"] == "not_ready"
                 assert any(p.startswith("database_unreachable") for p in body["problems"]), body

@@ -116,10 +116,10 @@ async def _serve_http(pod: Pod, http_done: trio.Event, *, task_status=trio.TASK_
         await run_http(pod, task_status=task_status)
     finally:
         http_done.set()
-        if not pod.shutting_down.is_set():
-            # A pod that cannot serve HTTP is of no use: shut the rest down too.
-            log.error("HTTP server stopped unexpectedly; shutting the pod down")
-            pod.shutting_down.set()
+    if not pod.shutting_down.is_set():
+        # A pod that cannot serve HTTP is of no use: shut the rest down too.
+        log.error("HTTP server stopped unexpectedly; shutting the pod down")
+        pod.shutting_down.set()
 
 
 async def run_pod(settings: Settings, dsn: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
