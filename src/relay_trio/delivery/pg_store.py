@@ -57,9 +57,9 @@ class PgDeliveryStore:
     def _spec(self, limit: int, via: str, budgets: Mapping[str, int], default_budget: int) -> claims.ClaimSpec:
         return claims.ClaimSpec(
             owner=self.pod_id,
-            # The lease must outlive one attempt plus its settlement (no renewal needed
-            # while lease_seconds covers the delivery deadline with margin).
-            lease_seconds=max(self.settings.lease_seconds, self.settings.delivery_timeout + 2 * self.settings.db_timeout),
+            # The lease must outlive one attempt (no renewal: an attempt is bounded by
+            # delivery_timeout); short leases stay short so a dead pod's rows return fast.
+            lease_seconds=max(self.settings.lease_seconds, self.settings.delivery_timeout + 1.0),
             routes=self.settings.route_set,
             limit=limit,
             via=via,
