@@ -276,9 +276,9 @@ async def test_heartbeat_comments_on_idle_stream(pod_factory, db):
     token = await add_listener(db, "alpha")
     async with httpx.AsyncClient(base_url=pod.base_url, timeout=30) as client:
         async with open_sse(client, "/listeners/alpha/stream", headers=auth(token)) as sse:
-            with trio.move_on_after(1.5):
-                await sse.next_event(timeout=30)
-            assert sse.comments.count("ping") >= 2
+            with trio.fail_after(10):
+                while sse.comments.count("ping") < 2:
+                    await trio.sleep(0.05)
 
 
 async def test_graceful_shutdown_ends_open_streams(pod_factory, db):
