@@ -70,10 +70,13 @@ async def list_deliveries():
     if status is not None and status not in STATUSES:
         raise ApiError(400, "invalid_query", {"field": "status", "message": f"one of {', '.join(STATUSES)}"})
     listener = request.args.get("listener") or None
-    if listener is not None and (len(listener) > 128 or "\x00" in listener):  # PostgreSQL text refuses NUL
-        raise ApiError(400, "invalid_query", {"field": "listener", "message": "at most 128 characters, no NUL"})
+    if listener is not None and len(listener) > 128:
+        raise ApiError(400, "invalid_query", {"field": "listener", "message": "at most 128 characters"})
     limit = _int_arg("limit", DEFAULT_LIMIT, 1, MAX_LIMIT)
     before = _int_arg("before", None, 1, MAX_ID)
+    if listener is not None and "\x00" in listener:
+        # No listener name holds NUL (and PostgreSQL text cannot): nothing can match.
+        return jsonify({"deliveries": [], "next_before": None})
     rows = await pod().db.run(
         lambda conn: claims.list_deliveries(conn, listener=listener, status=status, before=before, limit=limit)
     )
