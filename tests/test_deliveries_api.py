@@ -37,6 +37,8 @@ async def test_list_filters_newest_first_and_paginates(pod_factory, db):
         assert bad.status_code == 400 and bad.json()["error"] == "invalid_query"
         assert (await c.get("/deliveries", params={"limit": "0"})).status_code == 400
         assert (await c.get("/deliveries", params={"limit": "x"})).status_code == 400
+        nul = await c.get("/deliveries", params={"listener": "a\x00"})  # no name holds NUL
+        assert nul.status_code == 200 and nul.json() == {"deliveries": [], "next_before": None}
 
 
 async def test_get_one_with_attempts_and_404(pod_factory, db):
