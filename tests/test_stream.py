@@ -378,3 +378,17 @@ async def test_stream_reads_use_at_most_half_the_pool(pod_factory, db):
             for sse in streams:
                 assert (await sse.next_event())["seq"] == seq
     assert 1 <= peak <= 2
+
+
+async def test_event_posted_on_one_pod_wakes_a_stream_on_another(pod_factory):
+    settings = dict(admin_token=ADMIN, ingest_tokens="ingest-secret", stream_poll=SLOW_POLL)
+    writer, reader = await pod_factory(**settings), await pod_factory(**settings)
+    async with httpx.AsyncClient(timeout=30) as client:
+        created = await client.put(f"{writer.base_url}/listeners/alpha", json={"url": "http://127.0.0.1:9/hook"},
+                                   headers=auth(ADMIN))
+        token = created.json()["stream_token"]
+        async with open_sse(client, f"{reader.base_url}/listeners/alpha/stream", headers=auth(token)) as sse:
+            await trio.sleep(0.2)  # the stream is idle, waiting for a wake
+            body = {"id": "evt-x", "channel": "general", "author": "alice", "content": "hi", "mentions": ["alpha"]}
+            posted = await client.post(f"{writer.base_url}/events", json=body, headers=auth("ingest-secret"))
+            assert (await sse.next_event())["seq"] == posted.json()["seq"]  # the writer's NOTIFY, not a poll
