@@ -3,6 +3,8 @@ database outage (a dedicated cluster this test stops and starts; never the sessi
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -92,10 +94,15 @@ def _stop(cluster) -> None:
 
 
 @pytest.mark.timeout(180)
-async def test_readyz_flips_to_503_when_the_database_stops_and_back_when_it_returns(tmp_path: Path):
+async def test_readyz_flips_to_503_when_the_database_stops_and_back_when_it_returns():
     from relay_trio.embedded_pg import EmbeddedPostgres
 
-    cluster = EmbeddedPostgres(tmp_path / "pg", for_tests=True)
+    # Not in tmp_path: when running as root the server runs as an unprivileged user that
+    # must traverse the path, and any pytest session starting meanwhile (other engineers,
+    # CI shards) resets /tmp/pytest-of-<user> to 0700, after which pg_ctl cannot reach the
+    # data directory to stop it. A private mkdtemp directory under /tmp stays reachable.
+    base = Path(tempfile.mkdtemp(prefix="relay-readyz-pg-"))
+    cluster = EmbeddedPostgres(base / "data", for_tests=True)
     await trio.to_thread.run_sync(cluster.start)
     try:
         settings = make_settings(cluster.dsn(), heartbeat_interval=0.5, heartbeat_timeout=0.5)
@@ -115,3 +122,4 @@ async def test_readyz_flips_to_503_when_the_database_stops_and_back_when_it_retu
             pod.shutting_down.set()
     finally:
         await trio.to_thread.run_sync(cluster.stop, "immediate")
+        shutil.rmtree(base, ignore_errors=True)
