@@ -34,9 +34,16 @@ ensure_venv() {
     fi
     if [ "$(cat .venv/.relay-stamp 2>/dev/null || true)" != "$stamp_want" ]; then
         echo "==> installing relay-trio${extras:+ [$extras]} into .venv" >&2
-        .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip 2>&1 | grep -v '^WARNING: Location' >&2 || true
-        .venv/bin/python -m pip install --quiet --disable-pip-version-check -e "$spec" 2>&1 | grep -v '^WARNING: Location' >&2 || true
+        if ! .venv/bin/python -m pip install --disable-pip-version-check --upgrade pip > .venv/pip.log 2>&1 \
+            || ! .venv/bin/python -m pip install --disable-pip-version-check -e "$spec" >> .venv/pip.log 2>&1; then
+            tail -40 .venv/pip.log >&2
+            echo "error: installing relay-trio into .venv failed (full log: .venv/pip.log)" >&2
+            return 1
+        fi
         .venv/bin/python -c 'import relay_trio, trio_asyncio, asyncpg, quart_trio' >/dev/null
+        if [ "$extras" = "test" ]; then
+            .venv/bin/python -c 'import pytest, pytest_trio, hypothesis, standardwebhooks' >/dev/null
+        fi
         echo "$stamp_want" > .venv/.relay-stamp
     fi
 }
