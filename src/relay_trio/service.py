@@ -8,6 +8,7 @@
             ├── registry     listener registry cache (NOTIFY + periodic refresh)
             ├── delivery     run_delivery_loop (hand-off, notify and poll wakes)
             ├── janitor      retention sweeps under the 'janitor' leased lock
+            ├── lag          per-listener oldest-pending gauges for /metrics
             └── http         hypercorn serving the quart-trio app
 
 Each component is an ``async def component(pod, *, task_status)`` that calls
@@ -71,16 +72,27 @@ async def supervise(name: str, component: Component, pod: Pod, *, task_status=tr
 
 
 def components(pod: Pod) -> list[tuple[str, Component]]:
-    """The background components, in start order. Feature modules add theirs here."""
-    from relay_trio.pglistener import pglistener_component
+    """The background components, in start order.
 
-    found: list[tuple[str, Component]] = [("pglistener", pglistener_component)]
-    from relay_trio.notifier import notifier_component; found.append(("notifier", notifier_component))  # noqa: E702
-    from relay_trio.registry import registry_component; found.append(("registry", registry_component))  # noqa: E702
-    from relay_trio.delivery.loop import delivery_component; found.append(("delivery", delivery_component))  # noqa: E702
-    from relay_trio.janitor import janitor_component; found.append(("janitor", janitor_component))  # noqa: E702
-    from relay_trio.lag import lag_component; found.append(("lag", lag_component))  # noqa: E702
-    return found
+    The listener starts first so every later component can subscribe to it; the delivery
+    loop starts after the notifier and registry it relies on. Imported here, not at module
+    level, because each component module imports the Pod type from this package.
+    """
+    from relay_trio.delivery.loop import delivery_component
+    from relay_trio.janitor import janitor_component
+    from relay_trio.lag import lag_component
+    from relay_trio.notifier import notifier_component
+    from relay_trio.pglistener import pglistener_component
+    from relay_trio.registry import registry_component
+
+    return [
+        ("pglistener", pglistener_component),
+        ("notifier", notifier_component),
+        ("registry", registry_component),
+        ("delivery", delivery_component),
+        ("janitor", janitor_component),
+        ("lag", lag_component),
+    ]
 
 
 def http_drain_timeout(settings: Settings) -> float:
