@@ -81,7 +81,9 @@ def _relay_reference(run) -> tuple[dict, dict]:
     s2 = run.summary.get("s2")
     for key, name in (("s1", "s1.json"), ("s2", "s2.json")):
         if (key == "s1" and s1 is None) or (key == "s2" and s2 is None):
-            f = infra.WORK / "results" / name
+            from bench import runner as runner_module
+
+            f = runner_module.SECTIONS / name
             if f.exists():
                 data = json.loads(f.read_text()).get(key)
                 if key == "s1":

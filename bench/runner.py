@@ -3,7 +3,9 @@ write bench/RESULTS.md.
 
 Each scenario's section is also kept in bench/.work/results/sN.md, and RESULTS.md is
 assembled from the newest section of every scenario, so `--only` re-runs one scenario
-without losing the others (each section says when and in which mode it ran).
+without losing the others (each section says when and in which mode it ran). A `--quick`
+run keeps its own sections (bench/.work/results-quick/) and writes
+bench/.work/RESULTS-quick.md, so a smoke run never replaces the full run's tables.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from bench.report import fmt, pct, table, verdict
 
 RESULTS = infra.BENCH / "RESULTS.md"
 SECTIONS = infra.WORK / "results"
+
+
+def use_quick_outputs() -> None:
+    global RESULTS, SECTIONS
+    RESULTS = infra.WORK / "RESULTS-quick.md"
+    SECTIONS = infra.WORK / "results-quick"
 TITLES = {
     1: "1. Seed latency table",
     2: "2. Throughput",
@@ -330,8 +338,10 @@ def targets_at_a_glance() -> str:
 def header(info: dict, quick: bool, argv: list[str]) -> str:
     return (
         "# relay-trio benchmark results\n\n"
-        "Reproduce: `bench/run` (full) or `bench/run --quick` (under 3 minutes) from the repository root; "
-        "`bench/run --only 2,3` re-runs some scenarios and keeps the others' latest sections.\n\n"
+        "Reproduce: `bench/run` from the repository root (full run, about 12 minutes plus about 18 for scenario 7's "
+        "100k events); `bench/run --only 2,3` re-runs some scenarios and keeps the others' latest sections; "
+        "`bench/run --quick` is a smoke run of every scenario in under 3 minutes that writes "
+        "bench/.work/RESULTS-quick.md instead of this file.\n\n"
         + table(["cores", "CPU", "Python", "PostgreSQL", "fsync", "synchronous_commit", "kernel"],
                 [[info["cores"], info["cpu"], info["python"], info["postgres"], info["fsync"], info["synchronous_commit"],
                   info["kernel"]]])
@@ -344,6 +354,8 @@ def header(info: dict, quick: bool, argv: list[str]) -> str:
 
 async def amain(args) -> int:
     want = sorted({int(x) for x in args.only.split(",")}) if args.only else list(TITLES)
+    if args.quick:
+        use_quick_outputs()
     run = Run(args.quick)
     SECTIONS.mkdir(parents=True, exist_ok=True)
     log("starting PostgreSQL (private cluster, temp dir)")
