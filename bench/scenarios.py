@@ -248,13 +248,14 @@ async def seed_latency(cluster: Cluster, listener: Listener, count: int, gap: tu
 
 # -- scenario 2 and 3 ------------------------------------------------------------------------------
 async def throughput(cluster: Cluster, listener: Listener, dbname: str, producers: int, pods_n: int, seconds: float,
-                     *, notify_mode: str = "coalesced", cross_pod: bool = False, drain: float = 90.0) -> dict:
+                     *, notify_mode: str = "coalesced", cross_pod: bool = False, drain: float = 90.0,
+                     extra: dict | None = None) -> dict:
     dsn = await asyncio.to_thread(cluster.new_database, dbname)
     if cross_pod:
         specs = [(f"{dbname}-a", dsn, dict(routes="nobody-here", notify_mode=notify_mode)),
                  (f"{dbname}-b", dsn, dict(routes="*", notify_mode=notify_mode))]
     else:
-        specs = [(f"{dbname}-{k}", dsn, dict(notify_mode=notify_mode)) for k in range(pods_n)]
+        specs = [(f"{dbname}-{k}", dsn, dict(notify_mode=notify_mode, **(extra or {}))) for k in range(pods_n)]
     pods = await start_pods(specs)
     try:
         names = await register_many(pods[0], listener, dbname)
