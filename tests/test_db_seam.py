@@ -142,3 +142,35 @@ async def test_a_raising_asyncio_callback_is_logged_not_fatal(aio_loop, caplog):
 
         assert await aio_as_trio(lambda: fut)() == 42
     assert any("callback failure" in (r.exc_text or "") or "callback" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_frozen_pooled_backend_cannot_hang_an_operation(aio_loop, database_url):
+    """A deadline holds even when the server never answers the cancel (SIGSTOPped backend):
+    the watchdog terminates the connection and the pool recovers."""
+    import os
+    import signal
+
+    db = await Database.connect(database_url, min_size=1, max_size=1, acquire_timeout=1.0)
+    try:
+
+        async def backend_pid(conn):
+            return await conn.fetchval("SELECT pg_backend_pid()")
+
+        pid = await db.run(backend_pid)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except (PermissionError, ProcessLookupError):
+            pytest.skip("cannot signal the server's backends (external server)")
+        try:
+            start = trio.current_time()
+            with trio.fail_after(10):
+                with pytest.raises(DatabaseTimeout):
+                    await db.run_tx(select_one, timeout=1.0)
+            assert trio.current_time() - start < 5.0
+            assert db.terminated_by_watchdog == 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with trio.fail_after(10):
+            assert await db.run(select_one) == 1
+    finally:
+        await db.close()

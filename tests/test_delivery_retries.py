@@ -54,6 +54,12 @@ def test_retry_after_parsing_and_clamping():
     assert parse_retry_after("120") == 120.0
     assert parse_retry_after("Thu, 01 Jan 2026 00:00:30 GMT", now=now) == 30.0
     assert parse_retry_after("soon") is None and parse_retry_after(None) is None
+    # hostile values: a latin-1 superscript digit ("\xb2" on the wire) is not a number,
+    # and absurd dates or numbers never raise
+    assert parse_retry_after("\u00b2") is None
+    assert parse_retry_after("\u0661\u0662") is None  # Arabic-Indic digits
+    assert parse_retry_after("9" * 400) is not None
+    assert parse_retry_after("Thu, 01 Jan 99999 00:00:30 GMT") is None
     assert clamp_retry_after(0.0, base=1.0, cap=300.0) == 1.0
     assert clamp_retry_after(86400.0, base=1.0, cap=300.0) == 300.0
     assert clamp_retry_after(42.0, base=1.0, cap=300.0) == 42.0

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import socket
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -65,6 +66,34 @@ class DatabaseTimeout(DatabaseUnavailable):
 
 class PoolExhausted(DatabaseUnavailable):
     """No pooled connection became free within the acquire deadline."""
+
+
+class DatabaseConflict(DatabaseUnavailable):
+    """The transaction was rolled back by a deadlock or serialization failure: retry it."""
+
+
+# How long a cancelled operation may take to unwind cleanly before its connection is
+# terminated. asyncpg's clean-up after a cancel (ROLLBACK, pool reset) waits for the
+# server with no deadline of its own; a frozen backend or a silent network would hang it.
+CANCEL_GRACE = 0.5
+
+
+def enable_tcp_keepalive(conn: Any) -> bool:
+    """Client TCP keepalive (idle 1 s, interval 1 s, 3 probes) on the connection's socket.
+
+    asyncpg has no keepalive option, so this goes through the transport's socket. A unix
+    socket is skipped (returns False): there is no network to drop packets.
+    """
+    transport = getattr(conn, "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+    return True
 
 
 def is_connection_lost(exc: BaseException) -> bool:
@@ -144,6 +173,35 @@ class Database:
         self.dsn = dsn
         self.op_timeout = op_timeout
         self.acquire_timeout = acquire_timeout
+        # In-flight operations: id -> (their cancel scope, the connection once acquired).
+        self._inflight: dict[int, tuple[trio.CancelScope, list[asyncpg.Connection]]] = {}
+        self._watchdog_scope = trio.CancelScope()
+        self.terminated_by_watchdog = 0
+        trio.lowlevel.spawn_system_task(self._watchdog, name="relay-db-watchdog")
+
+    async def _watchdog(self) -> None:
+        """Terminate the connection of an operation stuck past its deadline.
+
+        A trio deadline cancels the asyncio task, but asyncpg then waits for the server to
+        acknowledge (ROLLBACK, reset) without a deadline: against a frozen backend the
+        crossing would never return. Past ``deadline + CANCEL_GRACE`` the connection is
+        terminated, which ends the clean-up at once; the pool replaces the connection.
+        One task per pool polling a small dict keeps the per-operation cost at zero.
+        """
+        with self._watchdog_scope:
+            while True:
+                await trio.sleep(0.1)
+                now = trio.current_time()
+                for scope, held in list(self._inflight.values()):
+                    if held and now > scope.deadline + CANCEL_GRACE:
+                        conn = held.pop()
+                        self.terminated_by_watchdog += 1
+                        log.warning("database operation stuck %.1fs past its deadline: terminating its connection",
+                                    now - scope.deadline)
+                        try:
+                            conn.terminate()
+                        except Exception:  # noqa: BLE001 - best effort; the pool drops it anyway
+                            log.exception("terminating a stuck connection failed")
 
     @classmethod
     async def connect(
@@ -163,6 +221,7 @@ class Database:
                 max_size=max_size,
                 max_inactive_connection_lifetime=0,  # no per-release timer (trio-asyncio leak)
                 server_settings={"application_name": application_name},
+                init=_init_connection,
             )
 
         try:
@@ -175,6 +234,7 @@ class Database:
         return cls(pool, dsn, op_timeout=op_timeout, acquire_timeout=acquire_timeout)
 
     async def close(self) -> None:
+        self._watchdog_scope.cancel()
         with trio.move_on_after(5) as cs:
             await aio_as_trio(self.pool.close)()
         if cs.cancelled_caught:
@@ -189,11 +249,13 @@ class Database:
         op_timeout = self.op_timeout if timeout is None else timeout
         scope = trio.CancelScope(deadline=trio.current_time() + self.acquire_timeout)
         acquired = False
+        held: list[asyncpg.Connection] = []
 
         async def body() -> T:
             nonlocal acquired
             async with self.pool.acquire() as conn:
                 acquired = True
+                held.append(conn)
                 # Same thread, inside trio: moving the trio deadline from here is safe.
                 scope.deadline = trio.current_time() + op_timeout
                 if tx:
@@ -202,11 +264,19 @@ class Database:
                 return await op(conn, *args)
 
         result: T
+        key = id(scope)
+        self._inflight[key] = (scope, held)
         try:
             with scope:
                 result = await aio_as_trio(body)()
         except CONNECTION_LOST_ERRORS as exc:
+            if scope.cancelled_caught or scope.cancel_called:
+                raise DatabaseTimeout(f"database operation exceeded {op_timeout:.1f}s (connection terminated)") from exc
             raise DatabaseUnavailable(f"database connection lost: {type(exc).__name__}: {exc}") from exc
+        except asyncpg.TransactionRollbackError as exc:
+            raise DatabaseConflict(f"transaction rolled back: {type(exc).__name__}: {exc}") from exc
+        finally:
+            del self._inflight[key]
         if scope.cancelled_caught:
             if not acquired:
                 raise PoolExhausted(f"no database connection free within {self.acquire_timeout:.1f}s")
@@ -224,6 +294,11 @@ class Database:
             return await self.run(select_one, timeout=timeout) == 1
         except DatabaseUnavailable:
             return False
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    """Every pooled connection: client TCP keepalive (a silent network fails in ~4 s)."""
+    enable_tcp_keepalive(conn)
 
 
 # --------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import trio
 
 from relay_trio import channels as ch
 from relay_trio.config import Settings
-from relay_trio.db import DatabaseUnavailable, connect_dedicated, is_connection_lost, on_connection
+from relay_trio.db import DatabaseUnavailable, connect_dedicated, enable_tcp_keepalive, is_connection_lost, on_connection
 from relay_trio.metrics import Metrics
 from relay_trio.store import listen as listen_ops
 
@@ -170,24 +170,6 @@ def application_name(pod_id: str) -> str:
     """``relay-listener:<pod id>``, truncated to PostgreSQL's 63 bytes (on a character boundary)."""
     raw = f"relay-listener:{pod_id}".encode("utf-8")[:63]
     return raw.decode("utf-8", errors="ignore")
-
-
-def enable_tcp_keepalive(conn: Any) -> bool:
-    """Client TCP keepalive (idle 1 s, interval 1 s, 3 probes) on the connection's socket.
-
-    asyncpg has no keepalive option, so this goes through the transport's socket. A unix
-    socket is skipped (returns False): there is no network to drop packets.
-    """
-    transport = getattr(conn, "_transport", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return False
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)):
-        opt = getattr(socket, name, None)
-        if opt is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
-    return True
 
 
 class _ConnectionLost(Exception):

@@ -32,11 +32,14 @@ def parse_retry_after(value: str | None, *, now: datetime | None = None) -> floa
     value = value.strip()
     if not value:
         return None
-    if value.isdigit():
-        return float(value)
+    if value.isascii() and value.isdigit():  # "²".isdigit() is True; float("²") raises
+        try:
+            return float(value)
+        except (ValueError, OverflowError):
+            return None
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)
