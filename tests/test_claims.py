@@ -146,3 +146,54 @@ async def test_release_gives_rows_back_at_once(db):
     assert await db.run(claims.release_leases, [(r["id"], r["lease_token"]) for r in rows]) == 2
     again = await db.run(claims.claim_due, spec("pod-b"))
     assert sorted(r["id"] for r in again) == ids
+
+
+async def test_failed_settle_and_listener_delete_never_deadlock(db, database_url):
+    """Lock order: a settle that changes the listener locks it before any delivery row.
+
+    DELETE /listeners locks the listener, then dead-letters its rows. Here the delete holds
+    the listener lock while a failed settle starts; the settle must wait on the listener
+    (holding nothing), so the delete's UPDATE of the rows goes through and neither side
+    dies of a deadlock. With the old order (rows first) PostgreSQL aborts one of them.
+    """
+    from datetime import datetime, timezone
+
+    from relay_trio.queries import Q
+
+    await add_listener(db, "bot")
+    await add_rows(db, ["bot"])
+    [row] = await db.run(claims.claim_due, spec(limit=1))
+    deleter = await connect_dedicated(database_url, "deleter")
+    try:
+
+        async def delete_listener_only(c):
+            await c.execute("BEGIN")
+            await c.execute(Q["listener_delete"], "bot")
+
+        await on_connection(deleter, delete_listener_only)
+        attempt = claims.AttemptRecord(row["id"], 1, "pod-a", datetime.now(timezone.utc), 1.0, "http_error", 500,
+                                       "HTTP 500", None)
+        outcome: list = []
+
+        async def settle():
+            outcome.append(await db.run_tx(
+                functools.partial(claims.settle_failed_tx, delay=1.0, retention=900.0, failure_threshold=10,
+                                  pause_for_level=lambda level: 5.0),
+                row["id"], row["lease_token"], "bot", attempt, timeout=10,
+            ))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(settle)
+            await trio.sleep(0.3)  # the settle is now waiting for a lock
+
+            async def dead_letter_rows_and_commit(c):
+                await c.execute(Q["deliveries_dead_for_listener"], "bot")
+                await c.execute("COMMIT")
+
+            with trio.fail_after(5):
+                await on_connection(deleter, dead_letter_rows_and_commit, timeout=5)
+        assert outcome == [None], "the settle's token is stale after the delete dead-lettered the row"
+    finally:
+        await on_connection(deleter, lambda c: c.close())
+    [state] = await fetch(db, "SELECT status, dead_reason FROM deliveries WHERE id = $1", row["id"])
+    assert state == {"status": "dead", "dead_reason": "listener_deleted"}

@@ -89,9 +89,15 @@ async def settle_delivered_tx(
 
     Returns commit-to-delivered seconds, or None when the token was stale.
     """
+    # Lock order: listener before delivery rows (see listener_lock_for_settle). The common
+    # case (a healthy listener) touches no listener row at all, so it takes no lock on it.
+    reset = bool(await conn.fetchval(Q["listener_is_dirty"], listener))
+    if reset:
+        await conn.fetchval(Q["listener_lock_for_settle"], listener)
     await insert_attempt_tx(conn, attempt)
     age = await conn.fetchval(Q["complete_delivery"], delivery_id, token)
-    await conn.execute(Q["listener_succeeded"], listener)
+    if reset:
+        await conn.execute(Q["listener_succeeded"], listener)
     return age
 
 
@@ -113,6 +119,7 @@ async def settle_failed_tx(
     listener (only when it is not already paused, so concurrent failures of one listener
     raise the level once). Returns the row's new status, or None when the token was stale.
     """
+    await conn.fetchval(Q["listener_lock_for_settle"], listener)  # lock order: listener first
     await insert_attempt_tx(conn, attempt)
     status = await conn.fetchval(Q["retry_delivery"], delivery_id, token, delay, retention, attempt.error)
     row = await conn.fetchrow(Q["listener_failed"], listener)
@@ -129,6 +136,7 @@ async def settle_gone_tx(
 
     Returns how many other pending rows were dead-lettered.
     """
+    await conn.fetchval(Q["listener_lock_for_settle"], listener)  # lock order: listener first
     await insert_attempt_tx(conn, attempt)
     await conn.fetchval(Q["dead_letter_delivery"], delivery_id, token, "gone", attempt.error)
     await conn.execute(Q["disable_listener"], listener, "endpoint answered 410 Gone")

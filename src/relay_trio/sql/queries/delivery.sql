@@ -97,6 +97,19 @@ SET status = 'dead', dead_reason = $2,
     lease_owner = NULL, lease_until = NULL, lease_token = NULL, updated_at = clock_timestamp()
 WHERE listener = $1 AND status = 'pending';
 
+-- name: listener_lock_for_settle
+-- Settles that change the listener take its row lock FIRST, before any delivery row:
+-- DELETE /listeners and a 410 settle lock the listener, then its deliveries, so every
+-- path must take the locks in that order or two of them can deadlock.
+SELECT consecutive_failures <> 0 OR backoff_level <> 0 OR paused_until IS NOT NULL AS dirty
+FROM listeners WHERE name = $1
+FOR NO KEY UPDATE;
+
+-- name: listener_is_dirty
+-- Unlocked peek: does a success need to reset this listener's failure state?
+SELECT consecutive_failures <> 0 OR backoff_level <> 0 OR paused_until IS NOT NULL AS dirty
+FROM listeners WHERE name = $1;
+
 -- name: listener_failed
 -- One more consecutive failure; "paused" tells whether a whole-listener backoff is running.
 UPDATE listeners

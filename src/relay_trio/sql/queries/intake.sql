@@ -13,7 +13,10 @@ WITH ev AS (
     ON CONFLICT (id) DO NOTHING
     RETURNING seq, accepted_at
 ), targets AS (
-    SELECT l.name FROM listeners l WHERE l.name = ANY ($5::text[]) AND l.enabled
+    -- FOR KEY SHARE: a concurrent DELETE /listeners waits for this commit and then
+    -- dead-letters these rows too (otherwise it could miss them, and a listener later
+    -- re-created under the same name would receive them).
+    SELECT l.name FROM listeners l WHERE l.name = ANY ($5::text[]) AND l.enabled FOR KEY SHARE
 ), outbox AS (
     INSERT INTO deliveries (event_seq, listener)
     SELECT ev.seq, targets.name FROM ev CROSS JOIN targets
@@ -39,4 +42,5 @@ SELECT pg_notify($1, $2);
 INSERT INTO deliveries (event_seq, listener)
 SELECT $1, l.name FROM listeners l WHERE l.name = ANY ($2::text[]) AND l.enabled
 ORDER BY l.name
+FOR KEY SHARE OF l
 RETURNING listener, id;
