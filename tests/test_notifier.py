@@ -115,8 +115,9 @@ async def test_payload_stays_under_the_notify_limit(nursery, autojump_clock):
     payloads = [p for _, _, p in sender.sent]
     assert len(payloads) == 2
     assert all(len(p.encode("utf-8")) <= channels.MAX_PAYLOAD_BYTES for p in payloads)
-    kept = payloads[1].split(",")
-    assert kept == names[: len(kept)] and len(kept) > 50  # whole names, in order, as many as fit
+    # More names than fit: the merged NOTIFY says "everyone" (empty payload) rather than
+    # silently dropping names that some pod may route exclusively.
+    assert payloads[1] == ""
 
 
 def test_truncate_utf8_never_splits_a_character():
@@ -147,3 +148,28 @@ async def test_request_is_sync_and_never_blocks(nursery, autojump_clock):
     for i in range(10_000):
         assert notifier.request(channels.OUTBOX, f"n{i % 7}") is None
     assert trio.current_time() == t0
+
+
+async def test_a_hint_that_does_not_fit_turns_the_payload_into_wake_everyone(nursery, autojump_clock):
+    sender = FakeSender()
+    notifier = await start(nursery, sender)
+    notifier.request(channels.OUTBOX, "first")
+    await trio.sleep(0.0001)
+    big = "x" * 5000
+    notifier.request(channels.OUTBOX, big + "1")
+    notifier.request(channels.OUTBOX, big + "2")  # cannot fit beside the first: dropped
+    notifier.request(channels.OUTBOX, None)
+    await trio.sleep(0.1)
+    payloads = [p for _, _, p in sender.sent]
+    assert payloads == ["first", ""], "a dropped name must become an empty (everyone) payload"
+    # and the next window starts clean
+    notifier.request(channels.OUTBOX, "after")
+    await trio.sleep(0.1)
+    assert [p for _, _, p in sender.sent][-1] == "after"
+
+
+def test_join_hints_never_silently_drops_a_name():
+    from relay_trio.intake import join_hints
+
+    assert join_hints(["a", "b"]) == "a,b"
+    assert join_hints(["x" * 5000, "y" * 5000]) == ""

@@ -18,14 +18,23 @@ def W(payload, reconnect=False):
     return Wake("c", payload, reconnect)
 
 
-async def test_full_buffer_keeps_one_pending_wake_with_the_newest_payload():
+async def test_full_buffer_keeps_one_pending_wake_that_covers_every_merged_payload():
     sub = Subscription(None, "c", buffer=2)
     for i in range(5):
         assert sub._push(W(str(i))) is True  # never raises, never blocks
-    assert [sub.receive_nowait().payload for _ in range(3)] == ["0", "1", "4"]
+    # "2", "3" and "4" merged: different hints become None ("look at everything"), so a
+    # subscriber that filters on names (the delivery loop's routes) never misses its own.
+    assert [sub.receive_nowait().payload for _ in range(3)] == ["0", "1", None]
     with pytest.raises(trio.WouldBlock):
         sub.receive_nowait()
     assert sub.coalesced == 3
+
+
+async def test_identical_payloads_merge_into_that_payload():
+    sub = Subscription(None, "c", buffer=1)
+    for _ in range(3):
+        sub._push(W("bot"))
+    assert [sub.receive_nowait().payload for _ in range(2)] == ["bot", "bot"]
 
 
 async def test_a_pending_reconnect_wake_is_never_downgraded():

@@ -207,13 +207,14 @@ def wants_handoff(pod, listener: str) -> bool:
 
 
 def join_hints(names: list[str]) -> str:
-    """Comma-joined names, cut at a name boundary under the NOTIFY payload limit."""
+    """Comma-joined names under the NOTIFY payload limit, or "" (wake everyone) when they
+    do not all fit: a pod routing only a dropped name would otherwise ignore the wake."""
     out: list[str] = []
     size = 0
     for name in names:
         extra = len(name.encode("utf-8")) + (1 if out else 0)
         if size + extra > channels.MAX_PAYLOAD_BYTES:
-            break
+            return ""
         out.append(name)
         size += extra
     return ",".join(out)

@@ -54,11 +54,14 @@ class _Pending:
         self.size = 0  # bytes of ",".join(hints)
         self.requests = 0
         self.highest: int | None = None  # events channel: keep only the highest seq
+        self.everyone = False  # outbox channel: a hint was missing or dropped -> empty payload
         self.wanted = trio.Event()
         self.window_end = float("-inf")
 
     def add(self, hint: str | None) -> None:
         self.requests += 1
+        if not hint and self.channel != channels.EVENTS:
+            self.everyone = True  # no hint: every subscriber must look
         if hint:
             if self.channel == channels.EVENTS:
                 try:
@@ -73,6 +76,10 @@ class _Pending:
                 if self.size + extra <= channels.MAX_PAYLOAD_BYTES:
                     self.hints[hint] = None
                     self.size += extra
+                else:
+                    # A name that does not fit must not be lost: a pod routing only that
+                    # listener filters wakes on the names, so send "everyone" instead.
+                    self.everyone = True
         self.wanted.set()
 
     def take(self) -> tuple[str, int]:
@@ -80,8 +87,9 @@ class _Pending:
         if self.channel == channels.EVENTS:
             payload = "" if self.highest is None else str(self.highest)
         else:
-            payload = ",".join(self.hints)
+            payload = "" if self.everyone else ",".join(self.hints)
         count = self.requests
+        self.everyone = False
         self.hints = {}
         self.size = 0
         self.requests = 0

@@ -66,10 +66,16 @@ class Wake:
 
 
 def _merge(pending: Wake | None, new: Wake) -> Wake:
-    """Coalesce two wakes into one: the newest payload, but a reconnect is never downgraded."""
-    if pending is not None and pending.reconnect and not new.reconnect:
+    """Coalesce two wakes into one. A reconnect is never downgraded, and two different
+    payloads merge into None ("look at everything"): subscribers may filter on payload
+    hints, so keeping only the newest could drop the one name a subscriber cares about."""
+    if pending is None:
+        return new
+    if pending.reconnect:
         return pending
-    return new
+    if new.reconnect or pending.payload == new.payload:
+        return new
+    return Wake(new.channel, None, False)
 
 
 class Subscription:
