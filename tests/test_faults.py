@@ -106,10 +106,10 @@ def wait_delivered(listener: RecordingListener, ids: set[str], timeout: float) -
 # ------------------------------------------------------------------------------------------
 # PostgreSQL restarted under load
 # ------------------------------------------------------------------------------------------
-def test_postgres_restart_while_10_producers_post(tmp_path, pods):
+def test_postgres_restart_while_10_producers_post(cluster_dir, pods):
     from relay_trio.embedded_pg import EmbeddedPostgres
 
-    cluster = EmbeddedPostgres(tmp_path / "pg" / "data", for_tests=True)
+    cluster = EmbeddedPostgres(cluster_dir / "pg" / "data", for_tests=True)
     cluster.start()
     try:
         dsn = cluster.dsn("postgres")
@@ -161,8 +161,10 @@ def test_postgres_restart_while_10_producers_post(tmp_path, pods):
 def test_sigkilled_pod_rows_are_delivered_by_the_survivor(fresh_db, pods):
     n = 40
     with RecordingListener(delay=1.0) as listener:
-        victim = pods(fresh_db, "victim", lease_seconds=3.0, delivery_timeout=2.0, listener_share=1.0)
-        survivor = pods(fresh_db, "survivor", lease_seconds=3.0, delivery_timeout=2.0, listener_share=1.0)
+        victim = pods(fresh_db, "victim", lease_seconds=3.0, delivery_timeout=2.0, listener_share=1.0,
+                      pool_acquire_timeout=0.5, db_timeout=1.5)
+        survivor = pods(fresh_db, "survivor", lease_seconds=3.0, delivery_timeout=2.0, listener_share=1.0,
+                        pool_acquire_timeout=0.5, db_timeout=1.5)
         victim.wait_ready()
         survivor.wait_ready()
         register(victim, "bot", listener.url)

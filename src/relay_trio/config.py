@@ -56,7 +56,7 @@ class Settings(BaseSettings):
     delivery_timeout: float = Field(5.0, gt=0, description="Total deadline of one delivery attempt, seconds.")
     delivery_retention: float = Field(900.0, gt=0, description="Seconds a row is retried before it is dead.")
     delivered_retention: float = Field(7 * 86400.0, gt=0, description="Seconds delivered rows and attempts are kept.")
-    lease_seconds: float = Field(30.0, gt=0, description="Claim lease; renewed while a delivery runs.")
+    lease_seconds: float = Field(30.0, gt=0, description="Claim lease in seconds (raised to outlive one attempt plus its settle: delivery_timeout + pool_acquire_timeout + db_timeout + 1).")
     poll_min: float = Field(0.25, gt=0, description="Poll interval after activity, seconds.")
     poll_max: float = Field(2.0, gt=0, description="Idle poll ceiling, seconds.")
     retry_base: float = Field(1.0, gt=0, description="First retry delay, seconds.")

@@ -47,6 +47,12 @@ def _text(value: str | None) -> str | None:
     return None if value is None else value.replace("\x00", "\ufffd")
 
 
+def min_lease(settings) -> float:
+    """The shortest lease that outlives one attempt plus its settle transaction."""
+    floor = settings.delivery_timeout + settings.pool_acquire_timeout + settings.db_timeout + 1.0
+    return max(settings.lease_seconds, floor)
+
+
 class PgDeliveryStore:
     def __init__(self, db: Database, settings: Settings, pod_id: str):
         self.db = db
@@ -57,9 +63,10 @@ class PgDeliveryStore:
     def _spec(self, limit: int, via: str, budgets: Mapping[str, int], default_budget: int) -> claims.ClaimSpec:
         return claims.ClaimSpec(
             owner=self.pod_id,
-            # The lease must outlive one attempt (no renewal: an attempt is bounded by
-            # delivery_timeout); short leases stay short so a dead pod's rows return fast.
-            lease_seconds=max(self.settings.lease_seconds, self.settings.delivery_timeout + 1.0),
+            # The lease must outlive one attempt and its settle (no renewal: the attempt is
+            # bounded by delivery_timeout, the settle by the pool's acquire deadline plus the
+            # operation deadline); short leases stay short so a dead pod's rows return fast.
+            lease_seconds=min_lease(self.settings),
             routes=self.settings.route_set,
             limit=limit,
             via=via,
