@@ -1,8 +1,10 @@
 """RegistryCache: the enabled listeners this pod routes, kept fresh in memory.
 
-Why a cache: the delivery side needs a listener's url and secret for every attempt and
-must know which listeners this pod may deliver (``RELAY_ROUTES``); reading them from the
-database per delivery would double the queries. Freshness: every registry write sends
+What it is for: the pod's view of which registered, enabled listeners it routes
+(``RELAY_ROUTES``), shown to operators in ``/readyz`` (``routed_listeners``). Claims do not
+read it: they join ``listeners`` at claim time, so a change of url, secret or enabled
+applies to the very next claim on every pod without waiting for any cache. Freshness (the
+issue's "every pod's route cache within a second"): every registry write sends
 ``pg_notify(relay_registry, name)`` in its transaction, each pod's cache reloads on that
 wake (well within a second), and a periodic reload (``RELAY_REGISTRY_REFRESH``) is the
 safety net for NOTIFYs lost while the LISTEN connection was down. A write on this pod

@@ -41,6 +41,11 @@ async def readiness_problems() -> tuple[list[str], dict]:
     for name, alive in sorted(p.tasks_alive.items()):
         if not alive:
             problems.append(f"component_down: {name}")
+    if p.registry is not None:
+        # The route cache: which registered, enabled listeners this pod delivers. A pod
+        # whose RELAY_ROUTES match nothing is ready (others deliver) but says so here.
+        detail["routed_listeners"] = len(p.registry.names())
+        detail["routes"] = "*" if p.settings.route_set is None else sorted(p.settings.route_set)
     if p.pglistener is not None:
         status = p.pglistener.status()
         detail["listener"] = status
