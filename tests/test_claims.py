@@ -197,3 +197,23 @@ async def test_failed_settle_and_listener_delete_never_deadlock(db, database_url
         await on_connection(deleter, lambda c: c.close())
     [state] = await fetch(db, "SELECT status, dead_reason FROM deliveries WHERE id = $1", row["id"])
     assert state == {"status": "dead", "dead_reason": "listener_deleted"}
+
+
+async def test_overdue_counts_from_when_the_row_became_claimable(db):
+    """The wake-miss metric's input: a row due long ago but leased by a pod that died (or
+    whose listener was paused) is not overdue the moment it becomes claimable again."""
+    await add_listener(db, "bot")
+    [leased, _, plain] = await add_rows(db, ["bot", "bot", "bot"])
+    await execute(db, "UPDATE deliveries SET due_at = now() - interval '60 seconds'")
+    await execute(db, "UPDATE deliveries SET lease_until = clock_timestamp() - interval '50 milliseconds' WHERE id = $1",
+                  leased)
+    rows = {r["id"]: r for r in await db.run(claims.claim_due, spec(limit=10))}
+    assert rows[leased]["overdue_seconds"] < 5.0
+    assert rows[plain]["overdue_seconds"] > 59.0
+    # a listener whose pause just ended
+    await add_listener(db, "paused")
+    [p] = await add_rows(db, ["paused"])
+    await execute(db, "UPDATE deliveries SET due_at = now() - interval '60 seconds' WHERE id = $1", p)
+    await execute(db, "UPDATE listeners SET paused_until = clock_timestamp() - interval '50 milliseconds' WHERE name = 'paused'")
+    [row] = await db.run(claims.claim_due, spec(limit=10))
+    assert row["id"] == p and row["overdue_seconds"] < 5.0

@@ -38,6 +38,15 @@ from relay_trio.delivery import model
 log = logging.getLogger("relay_trio.delivery.loop")
 
 
+# A due-claim started because a slot freed while a backlog was known (not a wake, not
+# the timer). Reported as "poll" in metrics and claimed_via.
+BACKLOG = "backlog"
+
+
+def _label(path: str) -> str:
+    return "poll" if path == BACKLOG else path
+
+
 class DeliveryStore(Protocol):
     async def claim_by_id(
         self, ids: Sequence[int], limit: int, budgets: Mapping[str, int], default_budget: int
@@ -226,14 +235,15 @@ class DeliveryLoop:
                 break
             budgets = self._budgets()
             try:
-                rows = await self._claim(self.store.claim_due, len(taken), budgets, self.config.per_listener, via=path)
+                rows = await self._claim(self.store.claim_due, len(taken), budgets, self.config.per_listener,
+                                         via=_label(path))
             except DatabaseUnavailable as exc:
                 log.warning("claim_due failed: %s; the next poll retries", exc)
                 rows = []
             except Exception:
                 log.exception("claim_due failed; the next poll retries")
                 rows = []
-            self.counts[f"claim_due_{path}"] += 1
+            self.counts[f"claim_due_{_label(path)}"] += 1
             self._start_all(rows, taken, path)
             found += len(rows)
             per = collections.Counter(row.listener for row in rows)
@@ -318,14 +328,19 @@ class DeliveryLoop:
     def _start(self, row: model.ClaimedRow, slot: object, path: str) -> None:
         assert self._deliveries is not None
         m = self.metrics
+        label = _label(path)
         if m is not None:
-            m.claims.labels(path=path).inc()
+            m.claims.labels(path=label).inc()
             if row.attempt == 1:
-                m.commit_to_claim.labels(path=path).observe(max(0.0, row.age_seconds))
+                m.commit_to_claim.labels(path=label).observe(max(0.0, row.age_seconds))
+            # A lost wake-up: the timer poll found a row that had been claimable (due, not
+            # leased, listener not paused: see overdue_seconds in the claim SQL) for longer
+            # than the poll ceiling. Rows held back by the per-listener share and claimed as
+            # a slot frees (BACKLOG) are fairness, not a lost wake.
             if path == "poll" and row.overdue_seconds > self.config.poll_max:
                 m.wake_misses.inc()
             m.in_flight.inc()
-        self.counts[f"claimed_{path}"] += 1
+        self.counts[f"claimed_{label}"] += 1
         self.outstanding[row.id] = row
         self.per_listener[row.listener] += 1
         self._deliveries.start_soon(self._deliver, row, slot, name=f"deliver-{row.id}")
@@ -366,7 +381,7 @@ class DeliveryLoop:
                 self.metrics.in_flight.dec()
             self.slots.give_back(slot)
             if self._backlog and not self.stopping:
-                self.kick("poll")
+                self.kick(BACKLOG)
 
     # -- shutdown ------------------------------------------------------------------------------
     async def shutdown(self, grace: float) -> int:

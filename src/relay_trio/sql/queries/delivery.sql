@@ -12,7 +12,9 @@
 -- fresh fencing token; attempts counts claims (an attempt starts when a row is claimed).
 -- $1 owner, $2 lease seconds, $3 routes, $4 limit, $5 claimed_via.
 WITH locked AS (
-    SELECT d.id, d.listener, d.due_at
+    -- claimable_since: when this row last became claimable (due, its previous lease
+    -- expired, its listener's pause over); greatest() ignores NULLs.
+    SELECT d.id, d.listener, d.due_at, greatest(d.due_at, d.lease_until, l.paused_until) AS claimable_since
     FROM deliveries d
     JOIN listeners l ON l.name = d.listener
     WHERE d.status = 'pending'
@@ -28,13 +30,13 @@ WITH locked AS (
     LIMIT $4::int * 4
     FOR UPDATE OF d SKIP LOCKED
 ), ranked AS (
-    SELECT lk.id, lk.due_at,
+    SELECT lk.id, lk.due_at, lk.claimable_since,
            row_number() OVER (PARTITION BY lk.listener ORDER BY lk.due_at, lk.id) AS rn,
            COALESCE((SELECT c.n FROM unnest($6::text[], $7::int[]) AS c(listener, n)
                      WHERE c.listener = lk.listener LIMIT 1), $8::int) AS budget
     FROM locked lk
 ), chosen AS (
-    SELECT id FROM ranked WHERE rn <= budget ORDER BY due_at, id LIMIT $4::int
+    SELECT id, claimable_since FROM ranked WHERE rn <= budget ORDER BY due_at, id LIMIT $4::int
 )
 UPDATE deliveries d
 SET lease_owner = $1,
@@ -48,7 +50,7 @@ FROM chosen c, listeners l, events e
 WHERE d.id = c.id AND l.name = d.listener AND e.seq = d.event_seq
 RETURNING d.id, d.listener, d.attempts, d.lease_token,
           EXTRACT(EPOCH FROM d.claimed_at - d.created_at)::float8 AS age_seconds,
-          EXTRACT(EPOCH FROM d.claimed_at - d.due_at)::float8 AS overdue_seconds,
+          EXTRACT(EPOCH FROM d.claimed_at - c.claimable_since)::float8 AS overdue_seconds,
           l.url, l.secret,
           e.id AS event_id, e.seq AS event_seq, e.channel, e.author, e.content,
           e.mentions, e.meta::text AS meta, e.accepted_at;
