@@ -217,3 +217,18 @@ async def test_overdue_counts_from_when_the_row_became_claimable(db):
     await execute(db, "UPDATE listeners SET paused_until = clock_timestamp() - interval '50 milliseconds' WHERE name = 'paused'")
     [row] = await db.run(claims.claim_due, spec(limit=10))
     assert row["id"] == p and row["overdue_seconds"] < 5.0
+
+
+async def test_a_backed_off_listener_gets_one_probe_at_a_time(db):
+    """After a whole-listener pause ends, one row is claimed (the probe); no other row of
+    that listener is claimable while it is leased; a success (backoff_level 0) lifts it."""
+    await add_listener(db, "flaky")
+    await add_rows(db, ["flaky"] * 4)
+    await execute(db, "UPDATE listeners SET backoff_level = 1, consecutive_failures = 10, "
+                      "paused_until = clock_timestamp() - interval '1 second' WHERE name = 'flaky'")
+    probe = await db.run(claims.claim_due, spec(limit=10))
+    assert len(probe) == 1
+    assert await db.run(claims.claim_due, spec("other-pod", limit=10)) == []
+    await execute(db, "UPDATE listeners SET backoff_level = 0, consecutive_failures = 0, paused_until = NULL "
+                      "WHERE name = 'flaky'")
+    assert len(await db.run(claims.claim_due, spec(limit=10))) == 3

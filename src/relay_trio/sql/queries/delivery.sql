@@ -14,7 +14,8 @@
 WITH locked AS (
     -- claimable_since: when this row last became claimable (due, its previous lease
     -- expired, its listener's pause over); greatest() ignores NULLs.
-    SELECT d.id, d.listener, d.due_at, greatest(d.due_at, d.lease_until, l.paused_until) AS claimable_since
+    SELECT d.id, d.listener, d.due_at, greatest(d.due_at, d.lease_until, l.paused_until) AS claimable_since,
+           l.backoff_level
     FROM deliveries d
     JOIN listeners l ON l.name = d.listener
     WHERE d.status = 'pending'
@@ -22,6 +23,11 @@ WITH locked AS (
       AND (d.lease_until IS NULL OR d.lease_until <= clock_timestamp())
       AND l.enabled
       AND (l.paused_until IS NULL OR l.paused_until <= clock_timestamp())
+      -- a backed-off listener (its pause over, no success since) gets ONE probe at a
+      -- time, across all pods: no row of it may be claimed while another one is leased
+      AND (l.backoff_level = 0 OR NOT EXISTS (
+            SELECT 1 FROM deliveries p
+            WHERE p.listener = d.listener AND p.status = 'pending' AND p.lease_until > clock_timestamp()))
       AND ($3::text[] IS NULL OR d.listener = ANY($3::text[]))
       AND COALESCE((SELECT c.n FROM unnest($6::text[], $7::int[]) AS c(listener, n)
                     WHERE c.listener = d.listener LIMIT 1), $8::int) > 0
@@ -32,8 +38,9 @@ WITH locked AS (
 ), ranked AS (
     SELECT lk.id, lk.due_at, lk.claimable_since,
            row_number() OVER (PARTITION BY lk.listener ORDER BY lk.due_at, lk.id) AS rn,
-           COALESCE((SELECT c.n FROM unnest($6::text[], $7::int[]) AS c(listener, n)
-                     WHERE c.listener = lk.listener LIMIT 1), $8::int) AS budget
+           CASE WHEN lk.backoff_level > 0 THEN 1
+                ELSE COALESCE((SELECT c.n FROM unnest($6::text[], $7::int[]) AS c(listener, n)
+                               WHERE c.listener = lk.listener LIMIT 1), $8::int) END AS budget
     FROM locked lk
 ), chosen AS (
     SELECT id, claimable_since FROM ranked WHERE rn <= budget ORDER BY due_at, id LIMIT $4::int
