@@ -232,3 +232,41 @@ async def test_a_backed_off_listener_gets_one_probe_at_a_time(db):
     await execute(db, "UPDATE listeners SET backoff_level = 0, consecutive_failures = 0, paused_until = NULL "
                       "WHERE name = 'flaky'")
     assert len(await db.run(claims.claim_due, spec(limit=10))) == 3
+
+
+async def test_one_statement_settle_matches_the_transaction_settle(db):
+    """claims.settle_delivered (the hot path, one statement while the listener is clean):
+    fencing-checked, records every attempt (stale ones too), settles once; a dirty listener
+    goes through the locked transaction and gets its failure state reset."""
+    from datetime import datetime, timezone
+
+    await add_listener(db, "bot")
+    [rid] = await add_rows(db, ["bot"])
+    [first] = await db.run(claims.claim_due, spec("pod-old"))
+    await execute(db, "UPDATE deliveries SET lease_until = now() - interval '1 second' WHERE id = $1", rid)
+    [second] = await db.run(claims.claim_due, spec("pod-new"))
+    attempt = claims.AttemptRecord(rid, 1, "pod-old", datetime.now(timezone.utc), 1.5, "delivered", 200, None, "ok")
+    assert await db.run(claims.settle_delivered, rid, first["lease_token"], "bot", attempt) is None
+    age = await db.run(claims.settle_delivered, rid, second["lease_token"], "bot", attempt)
+    assert age is not None and age >= 0
+    assert await db.run(claims.settle_delivered, rid, second["lease_token"], "bot", attempt) is None
+    [row] = await fetch(db, "SELECT status, lease_token, delivered_at IS NOT NULL AS done FROM deliveries WHERE id = $1", rid)
+    assert row == {"status": "delivered", "lease_token": None, "done": True}
+    attempts = await fetch(db, "SELECT attempt, pod_id, duration_ms, outcome, status_code, response_body "
+                               "FROM delivery_attempts WHERE delivery_id = $1 ORDER BY id", rid)
+    assert len(attempts) == 3
+    assert attempts[0] == {"attempt": 1, "pod_id": "pod-old", "duration_ms": 1.5, "outcome": "delivered",
+                           "status_code": 200, "response_body": "ok"}
+
+    # A dirty listener: the fallback transaction settles and resets it.
+    await add_listener(db, "flaky")
+    [rid2] = await add_rows(db, ["flaky"])
+    await execute(db, "UPDATE listeners SET consecutive_failures = 3, backoff_level = 1 WHERE name = 'flaky'")
+    [claimed] = await db.run(claims.claim_due, spec("pod-a"))
+    attempt2 = claims.AttemptRecord(rid2, 1, "pod-a", datetime.now(timezone.utc), 1.0, "delivered", 200, None, None)
+    assert await db.run(claims.settle_delivered, rid2, claimed["lease_token"], "flaky", attempt2) is not None
+    [lst] = await fetch(db, "SELECT consecutive_failures, backoff_level FROM listeners WHERE name = 'flaky'")
+    assert lst == {"consecutive_failures": 0, "backoff_level": 0}
+    [row] = await fetch(db, "SELECT status FROM deliveries WHERE id = $1", rid2)
+    assert row["status"] == "delivered"
+    assert len(await fetch(db, "SELECT 1 FROM delivery_attempts WHERE delivery_id = $1", rid2)) == 1

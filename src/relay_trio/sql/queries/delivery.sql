@@ -75,6 +75,33 @@ SET status = 'delivered', delivered_at = clock_timestamp(), last_error = NULL,
 WHERE id = $1 AND lease_token = $2 AND status = 'pending'
 RETURNING EXTRACT(EPOCH FROM delivered_at - created_at)::float8 AS age_seconds;
 
+-- name: settle_delivered
+-- The common success settle in ONE statement (an implicit transaction: no BEGIN/COMMIT
+-- round trips): record the attempt and complete the row (fencing-checked), but only when
+-- the listener's failure state is clean. A dirty listener (failures, backoff, pause) makes
+-- this statement write nothing and say so (listener_clean = false); the caller then runs
+-- the locked multi-statement settle (settle_delivered_tx), which resets the listener and
+-- takes its lock first. Like settle_delivered_tx: a missing listener counts as clean, and
+-- the attempt is recorded even when the token is stale (age_seconds is then NULL).
+-- $1 delivery id, $2 token, $3 listener, $4.. the attempt (as in insert_attempt).
+WITH state AS (
+    SELECT NOT COALESCE((SELECT consecutive_failures <> 0 OR backoff_level <> 0 OR paused_until IS NOT NULL
+                         FROM listeners WHERE name = $3), false) AS clean
+), attempt AS (
+    INSERT INTO delivery_attempts
+        (delivery_id, attempt, pod_id, started_at, duration_ms, outcome, status_code, error, response_body)
+    SELECT $1::bigint, $4::int, $5::text, $6::timestamptz, $7::float8, $8::text, $9::int, $10::text, $11::text
+    FROM state WHERE state.clean
+), done AS (
+    UPDATE deliveries
+    SET status = 'delivered', delivered_at = clock_timestamp(), last_error = NULL,
+        lease_owner = NULL, lease_until = NULL, lease_token = NULL, updated_at = clock_timestamp()
+    WHERE id = $1::bigint AND lease_token = $2::bigint AND status = 'pending'
+      AND (SELECT clean FROM state)
+    RETURNING EXTRACT(EPOCH FROM delivered_at - created_at)::float8 AS age_seconds
+)
+SELECT (SELECT clean FROM state) AS listener_clean, (SELECT age_seconds FROM done) AS age_seconds;
+
 -- name: retry_delivery
 -- A failed attempt: due again after $3 seconds, or dead when the row is older than the
 -- retention ($4 seconds). $5 is the attempt's error summary.
