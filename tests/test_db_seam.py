@@ -174,3 +174,47 @@ async def test_a_frozen_pooled_backend_cannot_hang_an_operation(aio_loop, databa
             assert await db.run(select_one) == 1
     finally:
         await db.close()
+
+
+async def test_release_skips_the_reset_only_after_a_clean_operation(aio_loop, database_url):
+    """The pool's reset query (advisory unlock, CLOSE ALL, UNLISTEN, RESET ALL) runs on
+    release only when an operation failed or was cancelled: session state a failure left
+    behind (here an advisory lock, as the event trigger could after a cancel) is cleared;
+    a clean operation costs no extra round trip (a query logger sees none)."""
+    db = await Database.connect(database_url, min_size=1, max_size=1)
+    try:
+        seen: list[str] = []
+
+        async def log_queries(conn):
+            conn.add_query_logger(lambda record: seen.append(record.query))
+
+        async def lock_then_fail(conn):
+            await conn.execute("SELECT pg_advisory_lock(4242)")
+            raise RuntimeError("boom")
+
+        async def lock_then_sleep(conn):
+            await conn.execute("SELECT pg_advisory_lock(4243)")
+            await conn.execute("SELECT pg_sleep(10)")
+
+        async def lock_free(conn, key):
+            return await conn.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = $1", key)
+
+        with pytest.raises(RuntimeError):
+            await db.run(lock_then_fail)
+        with trio.fail_after(5), pytest.raises(DatabaseTimeout):
+            await db.run(lock_then_sleep, timeout=0.3)
+        assert await db.run(lock_free, 4242) == 0
+        assert await db.run(lock_free, 4243) == 0
+
+        await db.run(log_queries)  # the logger stays on the pool's only connection
+        seen.clear()
+        for _ in range(3):
+            assert await db.run(select_one) == 1
+            assert await db.run_tx(select_one) == 1
+        assert not [q for q in seen if "pg_advisory_unlock_all" in q], seen
+        with pytest.raises(RuntimeError):
+            await db.run(lock_then_fail)
+        assert [q for q in seen if "pg_advisory_unlock_all" in q]
+        assert await db.run(lock_free, 4242) == 0
+    finally:
+        await db.close()
