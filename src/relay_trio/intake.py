@@ -280,7 +280,8 @@ async def accept_event(pod, ev: EventIn) -> IntakeResult:
         after_commit(pod, inserted.seq, inserted.rows)
     except Exception:
         log.exception("post-commit wake-up failed (the poll will find the rows)", extra={"event_seq": inserted.seq})
-    log.debug("event accepted", extra={"event_id": ev.id, "event_seq": inserted.seq, "outbox_rows": len(inserted.rows)})
+    if log.isEnabledFor(logging.DEBUG):  # once per request: skip building the record when off
+        log.debug("event accepted", extra={"event_id": ev.id, "event_seq": inserted.seq, "outbox_rows": len(inserted.rows)})
     return IntakeResult(202, response)
 
 

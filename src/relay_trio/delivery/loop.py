@@ -47,6 +47,11 @@ def _label(path: str) -> str:
     return "poll" if path == BACKLOG else path
 
 
+def _log_fields(row: model.ClaimedRow) -> dict[str, Any]:
+    """The ids a delivery's log lines carry (never the event body)."""
+    return {"delivery_id": row.id, "event_id": row.event.get("id"), "listener": row.listener}
+
+
 class DeliveryStore(Protocol):
     async def claim_by_id(
         self, ids: Sequence[int], limit: int, budgets: Mapping[str, int], default_budget: int
@@ -346,7 +351,6 @@ class DeliveryLoop:
         self._deliveries.start_soon(self._deliver, row, slot, name=f"deliver-{row.id}")
 
     async def _deliver(self, row: model.ClaimedRow, slot: object) -> None:
-        extra = {"delivery_id": row.id, "event_id": row.event.get("id"), "listener": row.listener}
         try:
             result = await self.sender.send(row)
             settled = await self.store.settle(row, result)
@@ -360,18 +364,22 @@ class DeliveryLoop:
             level = logging.DEBUG if settled.result == "delivered" else logging.INFO
             if settled.result == "dead":
                 level = logging.WARNING
-            log.log(
-                level, "delivery %s: %s (%s)", settled.result, result.outcome, result.error or result.status_code,
-                extra={**extra, "attempt": row.attempt, "outcome": result.outcome, "status_code": result.status_code},
-            )
+            # Every success logs at DEBUG, which is off in production: check the level
+            # before building the record's extra fields (this runs once per delivery).
+            if log.isEnabledFor(level):
+                log.log(
+                    level, "delivery %s: %s (%s)", settled.result, result.outcome, result.error or result.status_code,
+                    extra={**_log_fields(row), "attempt": row.attempt, "outcome": result.outcome,
+                           "status_code": result.status_code},
+                )
         except DatabaseUnavailable as exc:
             # The lease expires and the row is claimed again (at least once).
             self.outstanding.pop(row.id, None)
-            log.warning("delivery not settled: %s; its lease will expire", exc, extra=extra)
+            log.warning("delivery not settled: %s; its lease will expire", exc, extra=_log_fields(row))
         except Exception:
             # Never take the loop down; the lease expires and the row is claimed again.
             self.outstanding.pop(row.id, None)
-            log.exception("delivery failed to settle; its lease will expire", extra=extra)
+            log.exception("delivery failed to settle; its lease will expire", extra=_log_fields(row))
         finally:
             # Cancelled (shutdown): the row stays in ``outstanding`` for release().
             self.per_listener[row.listener] -= 1
