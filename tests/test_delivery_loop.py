@@ -367,3 +367,42 @@ async def test_metrics_claims_wake_misses_in_flight_and_outcomes(autojump_clock)
         assert value("relay_deliveries_in_flight") == 0
         assert value("relay_commit_to_claim_seconds_count", path="handoff") == 1
         nursery.cancel_scope.cancel()
+
+
+class SettleAndClaimStore(FakeStore):
+    """A store that, like PgDeliveryStore, settles a success and claims the next due rows
+    in one call (the loop uses it while a backlog is known)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.combined = 0
+
+    async def settle_and_claim(self, row, result, limit, budgets, default_budget, *, via="poll"):
+        settled = await self.settle(row, result)
+        self._check_slots(limit)
+        self.combined += 1
+        return settled, self._claim(via, limit, budgets, default_budget)
+
+
+async def test_a_backlog_is_worked_off_by_settle_and_claim_within_slots_and_shares(autojump_clock):
+    config = LoopConfig(max_in_flight=4, listener_share=0.5, poll_min=0.25, poll_max=2.0)
+    sender = FakeSender()
+    store = SettleAndClaimStore(sender, limit_for_check=4)
+    names = ["a", "b", "c"]
+    for i in range(1, 61):
+        store.add(i, names[i % 3] if i > 10 else "a")  # a head of one listener, then mixed
+    async with trio.open_nursery() as nursery:
+        loop = await start_loop(nursery, store, sender, config)
+        await store.wait_delivered(*range(1, 61))
+        assert store.combined > 30  # the backlog went through the one-crossing path
+        assert loop.counts["claim_next"] == store.combined
+        assert loop.counts["delivered"] == 60
+        assert not store.violations
+        assert sender.max_active <= 4
+        assert max(sender.max_per_listener.values()) <= config.per_listener
+        assert all(r["attempts"] == 1 for r in store.rows.values())  # each row claimed once
+        assert loop.slots.in_use == 0 and not loop.outstanding and not loop.per_listener
+        # Backlog gone: a later row still arrives by the poll.
+        store.add(100, "b")
+        await store.wait_delivered(100)
+        nursery.cancel_scope.cancel()

@@ -12,8 +12,11 @@ Three wake paths feed claims:
 
 Every claimed row runs as its own task in the delivery nursery, holding one token of a
 ``trio.CapacityLimiter(max_in_flight)``; the loop claims again whenever a slot frees and a
-backlog may exist, never waiting for a batch. At most ``ceil(max_in_flight *
-listener_share)`` slots serve one listener, so a stalled endpoint cannot take them all.
+backlog may exist, never waiting for a batch. While a backlog is known, a slot's task
+settles a success and claims the slot's next row in one store call (``settle_and_claim``)
+and goes on with it, instead of handing the slot back to be claimed for again. At most
+``ceil(max_in_flight * listener_share)`` slots serve one listener, so a stalled endpoint
+cannot take them all.
 
 The loop's collaborators are parameters (a store with claim_by_id / claim_due / settle /
 release, and a sender with ``send(row)``) so tests drive this production code with fakes
@@ -64,6 +67,11 @@ class DeliveryStore(Protocol):
     async def settle(self, row: model.ClaimedRow, result: model.AttemptResult) -> model.Settled: ...
 
     async def release(self, rows: Sequence[model.ClaimedRow]) -> int: ...
+
+    # Optional (the loop checks with getattr): settle a success and claim up to ``limit``
+    # due rows in one crossing; returns what settle and claim_due would.
+    # async def settle_and_claim(self, row, result, limit, budgets, default_budget, *, via)
+    #     -> tuple[model.Settled, list[model.ClaimedRow]]
 
 
 class Sender(Protocol):
@@ -193,9 +201,15 @@ class DeliveryLoop:
         # Returning would make the supervisor restart the loop: stay idle until cancelled.
         await trio.sleep_forever()
 
-    def _budgets(self) -> dict[str, int]:
+    def _budgets(self, *, settling: str | None = None) -> dict[str, int]:
+        """Remaining slots of each listener busy in this pod; ``settling`` names the
+        listener of a row being settled in the same crossing, counted as already done."""
         cap = self.config.per_listener
-        return {name: max(0, cap - n) for name, n in self.per_listener.items() if n}
+        counts = self.per_listener
+        if settling is not None:
+            counts = counts.copy()
+            counts[settling] -= 1
+        return {name: max(0, cap - n) for name, n in counts.items() if n > 0}
 
     def kick(self, path: str) -> None:
         """Ask for a due-claim now (notify wake, or a slot freed with a backlog)."""
@@ -332,6 +346,11 @@ class DeliveryLoop:
 
     def _start(self, row: model.ClaimedRow, slot: object, path: str) -> None:
         assert self._deliveries is not None
+        self._account_claim(row, path)
+        self._deliveries.start_soon(self._deliver, row, slot, name=f"deliver-{row.id}")
+
+    def _account_claim(self, row: model.ClaimedRow, path: str) -> None:
+        """A claimed row is now in flight: metrics, counts, outstanding, per-listener share."""
         m = self.metrics
         label = _label(path)
         if m is not None:
@@ -348,12 +367,49 @@ class DeliveryLoop:
         self.counts[f"claimed_{label}"] += 1
         self.outstanding[row.id] = row
         self.per_listener[row.listener] += 1
-        self._deliveries.start_soon(self._deliver, row, slot, name=f"deliver-{row.id}")
 
     async def _deliver(self, row: model.ClaimedRow, slot: object) -> None:
+        """One slot's task: deliver ``row``, then, while a backlog is known, the next row
+        the store claimed for this slot in the same crossing as the settle (see
+        ``_deliver_one``). The slot goes back when there is no next row."""
+        next_row: model.ClaimedRow | None = row
+        try:
+            while next_row is not None:
+                next_row = await self._deliver_one(next_row)
+        finally:
+            self.slots.give_back(slot)
+            if self._backlog and not self.stopping:
+                self.kick(BACKLOG)
+
+    async def _deliver_one(self, row: model.ClaimedRow) -> model.ClaimedRow | None:
+        """Send one row and settle it; return the row claimed next for this slot, if any.
+
+        Why the next claim rides on the settle: under a backlog every freed slot used to
+        cost a slot hand-back, a kick, a wake-up of the poll task and a claim crossing of
+        its own before the next send; on a busy pod each of those waits a scheduler round,
+        and that wait (not CPU) capped deliveries well below intake. A store with
+        ``settle_and_claim`` settles a success and claims up to one due row in one
+        crossing, with the same claim SQL, budgets (this row no longer counted) and slot
+        rule: the row is claimed only because this task's slot is in hand.
+        """
+        claimed: list[model.ClaimedRow] = []
         try:
             result = await self.sender.send(row)
-            settled = await self.store.settle(row, result)
+            settle_and_claim = getattr(self.store, "settle_and_claim", None)
+            if result.ok and settle_and_claim is not None and self._backlog and not self.stopping:
+                budgets = self._budgets(settling=row.listener)
+                # Shielded like _claim: a claim that committed must not lose its rows; if
+                # shutdown began meanwhile they go straight back.
+                with trio.CancelScope(shield=True):
+                    settled, claimed = await settle_and_claim(
+                        row, result, 1, budgets, self.config.per_listener, via=_label(BACKLOG)
+                    )
+                    if claimed and self.stopping:
+                        await self.store.release(claimed)
+                        claimed = []
+                self.counts["claim_next"] += 1
+            else:
+                settled = await self.store.settle(row, result)
             self.outstanding.pop(row.id, None)
             self.counts[settled.result] += 1
             if self.metrics is not None:
@@ -387,9 +443,10 @@ class DeliveryLoop:
                 del self.per_listener[row.listener]
             if self.metrics is not None:
                 self.metrics.in_flight.dec()
-            self.slots.give_back(slot)
-            if self._backlog and not self.stopping:
-                self.kick(BACKLOG)
+        if not claimed:
+            return None
+        self._account_claim(claimed[0], BACKLOG)
+        return claimed[0]
 
     # -- shutdown ------------------------------------------------------------------------------
     async def shutdown(self, grace: float) -> int:
