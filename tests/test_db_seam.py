@@ -177,10 +177,17 @@ async def test_a_frozen_pooled_backend_cannot_hang_an_operation(aio_loop, databa
 
 
 async def test_release_skips_the_reset_only_after_a_clean_operation(aio_loop, database_url):
-    """The pool's reset query (advisory unlock, CLOSE ALL, UNLISTEN, RESET ALL) runs on
-    release only when an operation failed or was cancelled: session state a failure left
-    behind (here an advisory lock, as the event trigger could after a cancel) is cleared;
-    a clean operation costs no extra round trip (a query logger sees none)."""
+    """The pool's reset query (advisory unlock, CLOSE ALL, UNLISTEN, RESET ALL) is skipped
+    on release only after an operation marked @leaves_no_session_state that returned
+    normally: session state a failure left behind (here an advisory lock, as the event
+    trigger could after a cancel) is cleared; a marked clean operation costs no extra round
+    trip (a query logger sees none); an unmarked one still gets the reset."""
+    from relay_trio.db import leaves_no_session_state
+
+    @leaves_no_session_state
+    async def marked_select_one(conn):
+        return await conn.fetchval("SELECT 1")
+
     db = await Database.connect(database_url, min_size=1, max_size=1)
     try:
         seen: list[str] = []
@@ -209,9 +216,12 @@ async def test_release_skips_the_reset_only_after_a_clean_operation(aio_loop, da
         await db.run(log_queries)  # the logger stays on the pool's only connection
         seen.clear()
         for _ in range(3):
-            assert await db.run(select_one) == 1
-            assert await db.run_tx(select_one) == 1
+            assert await db.run(marked_select_one) == 1
+            assert await db.run_tx(marked_select_one) == 1
         assert not [q for q in seen if "pg_advisory_unlock_all" in q], seen
+        assert await db.run(select_one) == 1  # not marked: the full reset
+        assert len([q for q in seen if "pg_advisory_unlock_all" in q]) == 1
+        seen.clear()
         with pytest.raises(RuntimeError):
             await db.run(lock_then_fail)
         assert [q for q in seen if "pg_advisory_unlock_all" in q]

@@ -14,9 +14,11 @@ Rules this module enforces for the rest of the code base:
   ``max_inactive_connection_lifetime=0`` for the same reason, and a compactor task drops
   cancelled timers from the heap the way stdlib asyncio does.
 * Connection loss in any of its asyncpg shapes becomes ``DatabaseUnavailable``.
-* An operation leaves no session state behind when it returns normally (no SET, LISTEN,
-  cursor or advisory lock outlives it): the pool then skips its reset round trip on
-  release (see ``_reset_connection``). A failed or cancelled operation gets the full reset.
+* An operation marked ``@leaves_no_session_state`` (the hot paths: intake, claims, the
+  success settle) promises that no SET, LISTEN, cursor or advisory lock outlives it when
+  it returns normally: the pool then skips its reset round trip on release (see
+  ``_reset_connection``). Any other operation, and any failed or cancelled one, gets
+  asyncpg's full reset.
 """
 
 from __future__ import annotations
@@ -270,7 +272,7 @@ class Database:
                     result = await op(conn, *args)
                 # Reached only when the operation (and its COMMIT) finished normally: the
                 # release below may skip the reset query (read in this same asyncio task).
-                if not conn.is_in_transaction():
+                if getattr(op, "leaves_no_session_state", False) and not conn.is_in_transaction():
                     _finished_clean.set(True)
                 return result
 
@@ -307,8 +309,16 @@ class Database:
             return False
 
 
-# True once the current asyncio task's operation finished normally (set in Database.run's
-# body, read by _reset_connection while the same task releases the connection).
+def leaves_no_session_state(op: Op[T]) -> Op[T]:
+    """Mark an operation whose normal return leaves the session as it found it (no SET,
+    LISTEN, cursor or session advisory lock): its connection goes back to the pool without
+    the reset round trip. Only for single statements / transactions that are plainly so."""
+    op.leaves_no_session_state = True  # type: ignore[attr-defined]
+    return op
+
+
+# True once the current asyncio task's marked operation finished normally (set in
+# Database.run's body, read by _reset_connection while the same task releases the connection).
 _finished_clean: contextvars.ContextVar[bool] = contextvars.ContextVar("relay_db_finished_clean", default=False)
 
 
@@ -317,11 +327,12 @@ async def _reset_connection(conn: asyncpg.Connection) -> None:
 
     asyncpg's default runs ``SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *;
     RESET ALL`` on every release: one more server round trip (and trio<->asyncio wake-up)
-    per operation, i.e. a third of a delivery's settle+claim and a fifth of an intake.
-    Operations here keep no session state once they return normally (see the module rules),
-    so that query is only needed after a failure or cancellation, which may have left, say,
-    the event trigger's advisory lock held. asyncpg has already rolled back any open
-    transaction and dropped callbacks before calling this, in both cases.
+    per operation, i.e. half of a delivery's claim+settle and a fifth of an intake.
+    Operations marked ``@leaves_no_session_state`` keep no session state once they return
+    normally, so after them that query is skipped; it still runs after any other operation
+    and after a failure or cancellation, which may have left, say, the event trigger's
+    advisory lock held. asyncpg has already rolled back any open transaction and dropped
+    callbacks before calling this, in every case.
     """
     if _finished_clean.get():
         _finished_clean.set(False)

@@ -29,6 +29,7 @@ from typing import Any
 import trio
 
 from relay_trio import channels
+from relay_trio.db import leaves_no_session_state
 from relay_trio.store.events import (
     ExistingEvent,
     InsertedEvent,
@@ -233,6 +234,7 @@ def _response(ev: EventIn, inserted: InsertedEvent) -> dict[str, Any]:
     }
 
 
+@leaves_no_session_state  # the event trigger's advisory lock is released within its statement
 async def _save_tx(conn, ev: EventIn, notify_in_tx: bool, pod):
     """The whole intake transaction (asyncio side; one crossing)."""
     inserted = await insert_event_tx(

@@ -16,6 +16,7 @@ from typing import Any
 import asyncpg
 
 from relay_trio import channels
+from relay_trio.db import leaves_no_session_state
 from relay_trio.queries import Q
 
 _MARKER = "/*by_id*/"
@@ -50,12 +51,14 @@ def _claim_args(spec: ClaimSpec) -> list[Any]:
     ]
 
 
+@leaves_no_session_state
 async def claim_due(conn: asyncpg.Connection, spec: ClaimSpec) -> list[asyncpg.Record]:
     if spec.limit <= 0:
         return []
     return await conn.fetch(CLAIM_DUE_SQL, *_claim_args(spec))
 
 
+@leaves_no_session_state
 async def claim_by_id(conn: asyncpg.Connection, spec: ClaimSpec, ids: Sequence[int]) -> list[asyncpg.Record]:
     if spec.limit <= 0 or not ids:
         return []
@@ -101,6 +104,7 @@ async def settle_delivered_tx(
     return age
 
 
+@leaves_no_session_state
 async def settle_delivered(
     conn: asyncpg.Connection, delivery_id: int, token: int, listener: str, attempt: AttemptRecord
 ) -> float | None:
@@ -125,6 +129,7 @@ async def settle_delivered(
         return await settle_delivered_tx(conn, delivery_id, token, listener, attempt)
 
 
+@leaves_no_session_state
 async def settle_delivered_then_claim_due(
     conn: asyncpg.Connection, delivery_id: int, token: int, listener: str, attempt: AttemptRecord, spec: ClaimSpec
 ) -> tuple[float | None, list[asyncpg.Record]]:
