@@ -168,6 +168,7 @@ class DeliveryLoop:
         self.next_poll = trio.current_time() + config.poll_min
         self.stopping = False
         self._backlog = False  # a due-claim may find more rows once a slot frees
+        self._claiming_rows = 0  # rows asked for by claims still running (any path)
         self._kick = trio.Event()
         self._kick_path: str | None = None
         self._poll_wait: trio.CancelScope | None = None
@@ -203,13 +204,22 @@ class DeliveryLoop:
 
     def _budgets(self, *, settling: str | None = None) -> dict[str, int]:
         """Remaining slots of each listener busy in this pod; ``settling`` names the
-        listener of a row being settled in the same crossing, counted as already done."""
-        cap = self.config.per_listener
+        listener of a row being settled in the same crossing, counted as already done.
+
+        Every claim still running may yet return up to its limit of rows of any one
+        listener, so those rows count against every budget: otherwise two overlapping
+        claims (several slot tasks settle-and-claim at once) could both fill one
+        listener's last slot and break its share."""
+        cap = self.config.per_listener - self._claiming_rows
         counts = self.per_listener
         if settling is not None:
             counts = counts.copy()
             counts[settling] -= 1
         return {name: max(0, cap - n) for name, n in counts.items() if n > 0}
+
+    def _default_budget(self) -> int:
+        """Slots for a listener with nothing in flight here (see ``_budgets``)."""
+        return max(0, self.config.per_listener - self._claiming_rows)
 
     def kick(self, path: str) -> None:
         """Ask for a due-claim now (notify wake, or a slot freed with a backlog)."""
@@ -252,10 +262,10 @@ class DeliveryLoop:
             if not taken:
                 self._backlog = True
                 break
-            budgets = self._budgets()
+            budgets, default_budget = self._budgets(), self._default_budget()
             try:
-                rows = await self._claim(self.store.claim_due, len(taken), budgets, self.config.per_listener,
-                                         via=_label(path))
+                rows = await self._claim(self.store.claim_due, len(taken), budgets, default_budget,
+                                         via=_label(path), asking=len(taken))
             except DatabaseUnavailable as exc:
                 log.warning("claim_due failed: %s; the next poll retries", exc)
                 rows = []
@@ -268,22 +278,29 @@ class DeliveryLoop:
             per = collections.Counter(row.listener for row in rows)
             # A listener that used its whole budget may have more due rows: claim again as
             # soon as one of its deliveries frees a slot, not at the next poll.
-            capped = any(n >= budgets.get(name, self.config.per_listener) for name, n in per.items())
+            capped = any(n >= budgets.get(name, default_budget) for name, n in per.items())
             self._backlog = len(rows) == len(taken) or capped
             if len(rows) < len(taken):
                 break
         return found
 
-    async def _claim(self, claim: Any, *args: Any, **kwargs: Any) -> list[model.ClaimedRow]:
+    async def _claim(self, claim: Any, *args: Any, asking: int, **kwargs: Any) -> list[model.ClaimedRow]:
         """Run one claim shielded from shutdown's cancel (the store bounds it with its own
         deadline): a claim that committed must not lose its rows. If shutdown began
-        meanwhile, the rows go straight back (release) instead of starting."""
-        with trio.CancelScope(shield=True):
-            rows = await claim(*args, **kwargs)
-            if self.stopping and rows:
-                await self.store.release(rows)
-                return []
-        return rows
+        meanwhile, the rows go straight back (release) instead of starting.
+
+        ``asking`` rows count against other claims' budgets while this one runs; callers
+        start the rows with no checkpoint in between, so they are counted throughout."""
+        self._claiming_rows += asking
+        try:
+            with trio.CancelScope(shield=True):
+                rows = await claim(*args, **kwargs)
+                if self.stopping and rows:
+                    await self.store.release(rows)
+                    return []
+            return rows
+        finally:
+            self._claiming_rows -= asking
 
     async def _handoff_task(self) -> None:
         assert self.handoff is not None
@@ -307,7 +324,8 @@ class DeliveryLoop:
                 taken.append(slot)
             ids, carry = carry[: len(taken)], carry[len(taken):]
             try:
-                rows = await self._claim(self.store.claim_by_id, ids, len(ids), self._budgets(), self.config.per_listener)
+                rows = await self._claim(self.store.claim_by_id, ids, len(ids), self._budgets(), self._default_budget(),
+                                         asking=len(ids))
             except DatabaseUnavailable as exc:
                 log.warning("claim_by_id failed: %s; the poll will find the rows", exc, extra={"delivery_ids": ids})
                 rows = []
@@ -397,16 +415,22 @@ class DeliveryLoop:
             result = await self.sender.send(row)
             settle_and_claim = getattr(self.store, "settle_and_claim", None)
             if result.ok and settle_and_claim is not None and self._backlog and not self.stopping:
-                budgets = self._budgets(settling=row.listener)
+                budgets, default_budget = self._budgets(settling=row.listener), self._default_budget()
                 # Shielded like _claim: a claim that committed must not lose its rows; if
-                # shutdown began meanwhile they go straight back.
-                with trio.CancelScope(shield=True):
-                    settled, claimed = await settle_and_claim(
-                        row, result, 1, budgets, self.config.per_listener, via=_label(BACKLOG)
-                    )
-                    if claimed and self.stopping:
-                        await self.store.release(claimed)
-                        claimed = []
+                # shutdown began meanwhile they go straight back. The row it asks for
+                # counts against other claims' budgets until _account_claim below (no
+                # checkpoint in between).
+                self._claiming_rows += 1
+                try:
+                    with trio.CancelScope(shield=True):
+                        settled, claimed = await settle_and_claim(
+                            row, result, 1, budgets, default_budget, via=_label(BACKLOG)
+                        )
+                        if claimed and self.stopping:
+                            await self.store.release(claimed)
+                            claimed = []
+                finally:
+                    self._claiming_rows -= 1
                 self.counts["claim_next"] += 1
             else:
                 settled = await self.store.settle(row, result)
