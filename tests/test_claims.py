@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import random
 
@@ -271,23 +270,3 @@ async def test_one_statement_settle_matches_the_transaction_settle(db):
     [row] = await fetch(db, "SELECT status FROM deliveries WHERE id = $1", rid2)
     assert row["status"] == "delivered"
     assert len(await fetch(db, "SELECT 1 FROM delivery_attempts WHERE delivery_id = $1", rid2)) == 1
-
-
-async def test_settle_then_claim_due_in_one_crossing(db):
-    from datetime import datetime, timezone
-
-    await add_listener(db, "bot")
-    ids = await add_rows(db, ["bot"] * 3)
-    [first] = await db.run(claims.claim_due, spec("pod-a", limit=1))
-    attempt = claims.AttemptRecord(first["id"], 1, "pod-a", datetime.now(timezone.utc), 1.0, "delivered", 200, None, None)
-    age, rows = await db.run(claims.settle_delivered_then_claim_due, first["id"], first["lease_token"], "bot", attempt,
-                             spec("pod-a", limit=1, budgets={"bot": 1}))
-    assert age is not None
-    assert [r["id"] for r in rows] == [ids[1]]  # the next due row, under the same budgets
-    status = {r["id"]: r["status"] for r in await fetch(db, "SELECT id, status FROM deliveries")}
-    assert status == {ids[0]: "delivered", ids[1]: "pending", ids[2]: "pending"}
-    # A spent budget claims nothing, but the settle still happened.
-    attempt = dataclasses.replace(attempt, delivery_id=ids[1])
-    age, rows = await db.run(claims.settle_delivered_then_claim_due, ids[1], rows[0]["lease_token"], "bot", attempt,
-                             spec("pod-a", limit=1, budgets={"bot": 0}))
-    assert age is not None and rows == []

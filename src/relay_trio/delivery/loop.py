@@ -12,11 +12,8 @@ Three wake paths feed claims:
 
 Every claimed row runs as its own task in the delivery nursery, holding one token of a
 ``trio.CapacityLimiter(max_in_flight)``; the loop claims again whenever a slot frees and a
-backlog may exist, never waiting for a batch. While a backlog is known, a slot's task
-settles a success and claims the slot's next row in one store call (``settle_and_claim``)
-and goes on with it, instead of handing the slot back to be claimed for again. At most
-``ceil(max_in_flight * listener_share)`` slots serve one listener, so a stalled endpoint
-cannot take them all.
+backlog may exist, never waiting for a batch. At most ``ceil(max_in_flight *
+listener_share)`` slots serve one listener, so a stalled endpoint cannot take them all.
 
 The loop's collaborators are parameters (a store with claim_by_id / claim_due / settle /
 release, and a sender with ``send(row)``) so tests drive this production code with fakes
@@ -67,11 +64,6 @@ class DeliveryStore(Protocol):
     async def settle(self, row: model.ClaimedRow, result: model.AttemptResult) -> model.Settled: ...
 
     async def release(self, rows: Sequence[model.ClaimedRow]) -> int: ...
-
-    # Optional (the loop checks with getattr): settle a success and claim up to ``limit``
-    # due rows in one crossing; returns what settle and claim_due would.
-    # async def settle_and_claim(self, row, result, limit, budgets, default_budget, *, via)
-    #     -> tuple[model.Settled, list[model.ClaimedRow]]
 
 
 class Sender(Protocol):
@@ -168,7 +160,6 @@ class DeliveryLoop:
         self.next_poll = trio.current_time() + config.poll_min
         self.stopping = False
         self._backlog = False  # a due-claim may find more rows once a slot frees
-        self._claiming_rows = 0  # rows asked for by claims still running (any path)
         self._kick = trio.Event()
         self._kick_path: str | None = None
         self._poll_wait: trio.CancelScope | None = None
@@ -202,24 +193,9 @@ class DeliveryLoop:
         # Returning would make the supervisor restart the loop: stay idle until cancelled.
         await trio.sleep_forever()
 
-    def _budgets(self, *, settling: str | None = None) -> dict[str, int]:
-        """Remaining slots of each listener busy in this pod; ``settling`` names the
-        listener of a row being settled in the same crossing, counted as already done.
-
-        Every claim still running may yet return up to its limit of rows of any one
-        listener, so those rows count against every budget: otherwise two overlapping
-        claims (several slot tasks settle-and-claim at once) could both fill one
-        listener's last slot and break its share."""
-        cap = self.config.per_listener - self._claiming_rows
-        counts = self.per_listener
-        if settling is not None:
-            counts = counts.copy()
-            counts[settling] -= 1
-        return {name: max(0, cap - n) for name, n in counts.items() if n > 0}
-
-    def _default_budget(self) -> int:
-        """Slots for a listener with nothing in flight here (see ``_budgets``)."""
-        return max(0, self.config.per_listener - self._claiming_rows)
+    def _budgets(self) -> dict[str, int]:
+        cap = self.config.per_listener
+        return {name: max(0, cap - n) for name, n in self.per_listener.items() if n}
 
     def kick(self, path: str) -> None:
         """Ask for a due-claim now (notify wake, or a slot freed with a backlog)."""
@@ -262,10 +238,10 @@ class DeliveryLoop:
             if not taken:
                 self._backlog = True
                 break
-            budgets, default_budget = self._budgets(), self._default_budget()
+            budgets = self._budgets()
             try:
-                rows = await self._claim(self.store.claim_due, len(taken), budgets, default_budget,
-                                         via=_label(path), asking=len(taken))
+                rows = await self._claim(self.store.claim_due, len(taken), budgets, self.config.per_listener,
+                                         via=_label(path))
             except DatabaseUnavailable as exc:
                 log.warning("claim_due failed: %s; the next poll retries", exc)
                 rows = []
@@ -278,29 +254,22 @@ class DeliveryLoop:
             per = collections.Counter(row.listener for row in rows)
             # A listener that used its whole budget may have more due rows: claim again as
             # soon as one of its deliveries frees a slot, not at the next poll.
-            capped = any(n >= budgets.get(name, default_budget) for name, n in per.items())
+            capped = any(n >= budgets.get(name, self.config.per_listener) for name, n in per.items())
             self._backlog = len(rows) == len(taken) or capped
             if len(rows) < len(taken):
                 break
         return found
 
-    async def _claim(self, claim: Any, *args: Any, asking: int, **kwargs: Any) -> list[model.ClaimedRow]:
+    async def _claim(self, claim: Any, *args: Any, **kwargs: Any) -> list[model.ClaimedRow]:
         """Run one claim shielded from shutdown's cancel (the store bounds it with its own
         deadline): a claim that committed must not lose its rows. If shutdown began
-        meanwhile, the rows go straight back (release) instead of starting.
-
-        ``asking`` rows count against other claims' budgets while this one runs; callers
-        start the rows with no checkpoint in between, so they are counted throughout."""
-        self._claiming_rows += asking
-        try:
-            with trio.CancelScope(shield=True):
-                rows = await claim(*args, **kwargs)
-                if self.stopping and rows:
-                    await self.store.release(rows)
-                    return []
-            return rows
-        finally:
-            self._claiming_rows -= asking
+        meanwhile, the rows go straight back (release) instead of starting."""
+        with trio.CancelScope(shield=True):
+            rows = await claim(*args, **kwargs)
+            if self.stopping and rows:
+                await self.store.release(rows)
+                return []
+        return rows
 
     async def _handoff_task(self) -> None:
         assert self.handoff is not None
@@ -324,8 +293,7 @@ class DeliveryLoop:
                 taken.append(slot)
             ids, carry = carry[: len(taken)], carry[len(taken):]
             try:
-                rows = await self._claim(self.store.claim_by_id, ids, len(ids), self._budgets(), self._default_budget(),
-                                         asking=len(ids))
+                rows = await self._claim(self.store.claim_by_id, ids, len(ids), self._budgets(), self.config.per_listener)
             except DatabaseUnavailable as exc:
                 log.warning("claim_by_id failed: %s; the poll will find the rows", exc, extra={"delivery_ids": ids})
                 rows = []
@@ -364,11 +332,6 @@ class DeliveryLoop:
 
     def _start(self, row: model.ClaimedRow, slot: object, path: str) -> None:
         assert self._deliveries is not None
-        self._account_claim(row, path)
-        self._deliveries.start_soon(self._deliver, row, slot, name=f"deliver-{row.id}")
-
-    def _account_claim(self, row: model.ClaimedRow, path: str) -> None:
-        """A claimed row is now in flight: metrics, counts, outstanding, per-listener share."""
         m = self.metrics
         label = _label(path)
         if m is not None:
@@ -385,55 +348,12 @@ class DeliveryLoop:
         self.counts[f"claimed_{label}"] += 1
         self.outstanding[row.id] = row
         self.per_listener[row.listener] += 1
+        self._deliveries.start_soon(self._deliver, row, slot, name=f"deliver-{row.id}")
 
     async def _deliver(self, row: model.ClaimedRow, slot: object) -> None:
-        """One slot's task: deliver ``row``, then, while a backlog is known, the next row
-        the store claimed for this slot in the same crossing as the settle (see
-        ``_deliver_one``). The slot goes back when there is no next row."""
-        next_row: model.ClaimedRow | None = row
-        try:
-            while next_row is not None:
-                next_row = await self._deliver_one(next_row)
-        finally:
-            self.slots.give_back(slot)
-            if self._backlog and not self.stopping:
-                self.kick(BACKLOG)
-
-    async def _deliver_one(self, row: model.ClaimedRow) -> model.ClaimedRow | None:
-        """Send one row and settle it; return the row claimed next for this slot, if any.
-
-        Why the next claim rides on the settle: under a backlog every freed slot used to
-        cost a slot hand-back, a kick, a wake-up of the poll task and a claim crossing of
-        its own before the next send; on a busy pod each of those waits a scheduler round,
-        and that wait (not CPU) capped deliveries well below intake. A store with
-        ``settle_and_claim`` settles a success and claims up to one due row in one
-        crossing, with the same claim SQL, budgets (this row no longer counted) and slot
-        rule: the row is claimed only because this task's slot is in hand.
-        """
-        claimed: list[model.ClaimedRow] = []
         try:
             result = await self.sender.send(row)
-            settle_and_claim = getattr(self.store, "settle_and_claim", None)
-            if result.ok and settle_and_claim is not None and self._backlog and not self.stopping:
-                budgets, default_budget = self._budgets(settling=row.listener), self._default_budget()
-                # Shielded like _claim: a claim that committed must not lose its rows; if
-                # shutdown began meanwhile they go straight back. The row it asks for
-                # counts against other claims' budgets until _account_claim below (no
-                # checkpoint in between).
-                self._claiming_rows += 1
-                try:
-                    with trio.CancelScope(shield=True):
-                        settled, claimed = await settle_and_claim(
-                            row, result, 1, budgets, default_budget, via=_label(BACKLOG)
-                        )
-                        if claimed and self.stopping:
-                            await self.store.release(claimed)
-                            claimed = []
-                finally:
-                    self._claiming_rows -= 1
-                self.counts["claim_next"] += 1
-            else:
-                settled = await self.store.settle(row, result)
+            settled = await self.store.settle(row, result)
             self.outstanding.pop(row.id, None)
             self.counts[settled.result] += 1
             if self.metrics is not None:
@@ -467,10 +387,9 @@ class DeliveryLoop:
                 del self.per_listener[row.listener]
             if self.metrics is not None:
                 self.metrics.in_flight.dec()
-        if not claimed:
-            return None
-        self._account_claim(claimed[0], BACKLOG)
-        return claimed[0]
+            self.slots.give_back(slot)
+            if self._backlog and not self.stopping:
+                self.kick(BACKLOG)
 
     # -- shutdown ------------------------------------------------------------------------------
     async def shutdown(self, grace: float) -> int:

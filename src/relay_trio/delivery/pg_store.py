@@ -134,20 +134,5 @@ class PgDeliveryStore:
             return model.Settled("stale")
         return model.Settled("dead" if status == "dead" else "retried")
 
-    async def settle_and_claim(
-        self, row: model.ClaimedRow, result: model.AttemptResult, limit: int, budgets: Mapping[str, int],
-        default_budget: int, *, via: str = "poll",
-    ) -> tuple[model.Settled, list[model.ClaimedRow]]:
-        """A success's settle plus a due-claim for the slot it frees, in one crossing (the
-        delivery loop uses it under a backlog). Two statements, each its own transaction,
-        exactly as settle() and claim_due() would run them one after the other."""
-        assert result.ok, "only a success is settled this way"
-        spec = self._spec(limit, via, budgets, default_budget)
-        age, records = await self.db.run(
-            claims.settle_delivered_then_claim_due, row.id, row.token, row.listener, self._attempt(row, result), spec
-        )
-        settled = model.Settled("stale") if age is None else model.Settled("delivered", float(age))
-        return settled, [row_from_record(r) for r in records]
-
     async def release(self, rows: Sequence[model.ClaimedRow]) -> int:
         return await self.db.run(claims.release_leases, [(r.id, r.token) for r in rows])

@@ -129,17 +129,6 @@ async def settle_delivered(
         return await settle_delivered_tx(conn, delivery_id, token, listener, attempt)
 
 
-@leaves_no_session_state
-async def settle_delivered_then_claim_due(
-    conn: asyncpg.Connection, delivery_id: int, token: int, listener: str, attempt: AttemptRecord, spec: ClaimSpec
-) -> tuple[float | None, list[asyncpg.Record]]:
-    """settle_delivered, then claim_due on the same connection (run with ``Database.run``):
-    one crossing where the delivery loop would otherwise make two. The settle commits
-    before the claim runs, so a claim failure never undoes it."""
-    age = await settle_delivered(conn, delivery_id, token, listener, attempt)
-    return age, await claim_due(conn, spec)
-
-
 async def settle_failed_tx(
     conn: asyncpg.Connection,
     delivery_id: int,
