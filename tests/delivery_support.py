@@ -70,9 +70,11 @@ class RecordingServer:
         self.requests: list[dict] = []
         self.respond = respond or (lambda path, headers, body: ("200 OK", {}, b"ok"))
         self.port = 0
+        self.connections = 0
         self.got_request = trio.Event()
 
     async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
         buf = b""
         try:
             while True:

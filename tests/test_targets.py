@@ -7,64 +7,32 @@ for a DNS server that answers with a metadata or link-local address.
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 
 import httpx
 import pytest
 import trio
 
+from delivery_support import RecordingServer
 from relay_trio.config import Settings
 from relay_trio.delivery.http_client import GuardedBackend, TargetPolicy, make_http_client
 
 
-class TinyHttpServer:
-    """A minimal HTTP/1.1 server on 127.0.0.1 that records what reaches it."""
+def _redirect_aware(server: RecordingServer):
+    """200 everywhere, except /redirect* which answers 302 to /landed on the same server."""
 
-    def __init__(self) -> None:
-        self.connections = 0
-        self.requests: list[dict] = []
-        self.port = 0
+    def respond(path: str, headers: dict, body: bytes):
+        if path.startswith("/redirect"):
+            return "302 Found", {"Location": f"http://127.0.0.1:{server.port}/landed"}, b"ok"
+        return "200 OK", {}, b"ok"
 
-    async def handle(self, stream: trio.SocketStream) -> None:
-        self.connections += 1
-        buf = b""
-        try:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    chunk = await stream.receive_some(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
-                length = int(headers.get("content-length", "0") or 0)
-                while len(buf) < length:
-                    buf += await stream.receive_some(65536)
-                buf = buf[length:]
-                self.requests.append({"method": method, "path": path, "headers": headers})
-                if path.startswith("/redirect"):
-                    status, extra = "302 Found", "Location: http://127.0.0.1:%d/landed\r\n" % self.port
-                else:
-                    status, extra = "200 OK", ""
-                body = b"ok"
-                await stream.send_all(
-                    f"HTTP/1.1 {status}\r\n{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
-                )
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return
-
-    async def start(self, nursery: trio.Nursery) -> str:
-        listeners = await nursery.start(functools.partial(trio.serve_tcp, self.handle, 0, host="127.0.0.1"))
-        self.port = listeners[0].socket.getsockname()[1]
-        return f"http://127.0.0.1:{self.port}"
+    return respond
 
 
 @pytest.fixture
-async def server(nursery) -> TinyHttpServer:
-    srv = TinyHttpServer()
+async def server(nursery) -> RecordingServer:
+    srv = RecordingServer()
+    srv.respond = _redirect_aware(srv)
     await srv.start(nursery)
     return srv
 

@@ -426,14 +426,14 @@ async def run_delivery_loop(
     sender: Sender,
     config: LoopConfig,
     *,
-    handoff: trio.MemoryReceiveChannel[int] | None = None,
-    wakes: AsyncIterable[Any] | None = None,
-    metrics: Any = None,
-    routes: frozenset[str] | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
+    **options: Any,
 ) -> None:
-    """Run the production delivery loop; ``task_status.started(loop)`` hands back its state."""
-    loop = DeliveryLoop(store, sender, config, handoff=handoff, wakes=wakes, metrics=metrics, routes=routes)
+    """Run the production delivery loop; ``task_status.started(loop)`` hands back its state.
+
+    ``options`` are DeliveryLoop's keyword arguments (handoff, wakes, metrics, routes).
+    """
+    loop = DeliveryLoop(store, sender, config, **options)
     await loop.run(task_status=task_status)
 
 
