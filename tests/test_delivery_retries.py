@@ -175,3 +175,12 @@ async def test_nul_bytes_in_a_response_body_or_error_still_settle(db):
     assert settled.result == "retried"
     [a] = await fetch(db, "SELECT response_body, error FROM delivery_attempts WHERE delivery_id=$1", rid)
     assert a == {"response_body": "a\ufffdb", "error": "e\ufffd"}
+
+
+def test_the_lease_outlives_one_attempt_and_its_settle():
+    from relay_trio.config import Settings
+    from relay_trio.delivery.pg_store import min_lease
+
+    short = Settings(lease_seconds=3.0, delivery_timeout=2.0, pool_acquire_timeout=0.5, db_timeout=1.5)
+    assert min_lease(short) == 5.0  # 2 + 0.5 + 1.5 + 1: a slow settle cannot lose the lease
+    assert min_lease(Settings(lease_seconds=60.0)) == 60.0
