@@ -367,3 +367,28 @@ async def test_metrics_claims_wake_misses_in_flight_and_outcomes(autojump_clock)
         assert value("relay_deliveries_in_flight") == 0
         assert value("relay_commit_to_claim_seconds_count", path="handoff") == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_rows_held_back_by_the_listener_share_are_not_wake_misses(autojump_clock):
+    """A backlog of one listener is claimed as its slots free: that is fairness, not a lost
+    wake-up, so only the timer poll's own overdue rows count as wake misses."""
+    from relay_trio.metrics import Metrics
+
+    metrics = Metrics()
+    sender = FakeSender(latency=0.05)
+    store = FakeStore()
+    orig = store._claim
+
+    def overdue_claim(*args, **kwargs):
+        return [dataclasses.replace(r, overdue_seconds=30.0, age_seconds=30.0) for r in orig(*args, **kwargs)]
+
+    store._claim = overdue_claim
+    for rid in range(1, 13):
+        store.add(rid)  # one listener: at most 5 of 10 slots (listener_share 0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(run_delivery_loop, store, sender, CFG, metrics=metrics))
+        await store.wait_delivered(*range(1, 13))
+        value = lambda name, **labels: metrics.registry.get_sample_value(name, labels)  # noqa: E731
+        assert value("relay_claims_total", path="poll") == 12
+        assert value("relay_wake_misses_total") == 5  # the timer poll's first round only
+        nursery.cancel_scope.cancel()
