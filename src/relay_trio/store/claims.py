@@ -90,13 +90,12 @@ async def settle_delivered_tx(
 ) -> float | None:
     """Mark delivered (fencing-checked) and reset the listener's failure streak.
 
+    The slow path of ``settle_delivered``, taken only when the listener has failure state
+    to reset. Lock order: the listener before any delivery row (see
+    listener_lock_for_settle); the lock's answer says whether a reset is still needed.
     Returns commit-to-delivered seconds, or None when the token was stale.
     """
-    # Lock order: listener before delivery rows (see listener_lock_for_settle). The common
-    # case (a healthy listener) touches no listener row at all, so it takes no lock on it.
-    reset = bool(await conn.fetchval(Q["listener_is_dirty"], listener))
-    if reset:
-        await conn.fetchval(Q["listener_lock_for_settle"], listener)
+    reset = bool(await conn.fetchval(Q["listener_lock_for_settle"], listener))
     await insert_attempt_tx(conn, attempt)
     age = await conn.fetchval(Q["complete_delivery"], delivery_id, token)
     if reset:

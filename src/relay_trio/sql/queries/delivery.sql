@@ -141,11 +141,6 @@ SELECT consecutive_failures <> 0 OR backoff_level <> 0 OR paused_until IS NOT NU
 FROM listeners WHERE name = $1
 FOR NO KEY UPDATE;
 
--- name: listener_is_dirty
--- Unlocked peek: does a success need to reset this listener's failure state?
-SELECT consecutive_failures <> 0 OR backoff_level <> 0 OR paused_until IS NOT NULL AS dirty
-FROM listeners WHERE name = $1;
-
 -- name: listener_failed
 -- One more consecutive failure; "paused" tells whether a whole-listener backoff is running.
 UPDATE listeners
